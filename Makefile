@@ -1,0 +1,47 @@
+# The README's commands. Each creates .venv on first use and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is reused when the system Python already imports it (a user's CUDA build stays);
+# otherwise this build is installed (a local CPU build on the project's CI machines).
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(BIN)/python -m pip -q --disable-pip-version-check
+
+.PHONY: demo test lab bench gpu-check ui-deps clean
+
+$(BIN)/python:
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "reusing the system's torch"; $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else $(PYTHON) -m venv $(VENV); fi
+
+$(VENV)/.torch: $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	@touch $@
+
+$(VENV)/.core: $(VENV)/.torch pyproject.toml
+	$(PIP) install -e '.[hf]' nbclient nbformat ipykernel
+	@touch $@
+
+$(VENV)/.test: $(VENV)/.core pyproject.toml
+	$(PIP) install -e '.[test,hf,ui]'
+	@touch $@
+
+demo: $(VENV)/.core
+	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -q
+
+lab: $(VENV)/.test
+	$(BIN)/jupyter lab notebooks/
+
+bench: $(VENV)/.test
+	$(PIP) install -e '.[bench]'
+	$(BIN)/python benchmarks/run.py
+
+# On a machine with one NVIDIA GPU: the CUDA suite, summary table and JSON in $(OOM_MAGIC_GPU_OUT).
+gpu-check: $(VENV)/.test
+	$(BIN)/python -m pytest tests/gpu -m gpu -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) notebooks/*.executed.ipynb .pytest_cache

@@ -1,0 +1,288 @@
+"""Free stale memory safely: output-cache entries, stored tracebacks and garbage, never a user variable.
+
+With names, delete exactly those variables (and the output cache's references to them), then say
+what still holds their memory. Nothing the user did not name is deleted, moved or changed.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ._torch import cuda_initialized, loaded_torch
+from .devices import DeviceReading, read_device, resolve_device
+from .errors import OomMagicError
+from .holders import STALE_KINDS, TRACEBACK, Attribution, attribute
+from .nvml import Nvml
+from .roots import Roots, collect_roots, current_shell, variable_path
+from .tracker import LiveTensors, StorageRecord, find_tensors, tensor_types
+
+
+@dataclass(frozen=True)
+class StillHeld:
+    """A deleted variable whose memory something else still holds."""
+
+    name: str
+    bytes: int
+    holders: tuple[str, ...]
+
+    def sentence(self) -> str:
+        """"`model` deleted; its 12.55 GiB are still held by `model2` and `opt.state`"."""
+        from .render.units import format_bytes
+
+        names = [f"`{h}`" for h in self.holders]
+        joined = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        return f"`{self.name}` deleted; its {format_bytes(self.bytes)} are still held by {joined}"
+
+
+@dataclass(frozen=True)
+class FreeReport:
+    """What a cleanup gave back, by holder kind, with the device reading before and after."""
+
+    device: str
+    freed_bytes: int
+    freed_by_kind: tuple[tuple[str, int], ...]
+    before: DeviceReading
+    after: DeviceReading
+    deleted: tuple[str, ...] = ()
+    still_held: tuple[StillHeld, ...] = ()
+    dry_run: bool = False
+    notes: tuple[str, ...] = ()
+
+    def kind_bytes(self, kind: str) -> int:
+        """Bytes freed (or, in a dry run, freeable) from one holder kind."""
+        return dict(self.freed_by_kind).get(kind, 0)
+
+    def __repr__(self) -> str:
+        return f"<FreeReport {self.device}: freed={self.freed_bytes} B{' (dry run)' if self.dry_run else ''}>"
+
+    def __str__(self) -> str:
+        from .render.text import free_report_text
+
+        return free_report_text(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        from .render.html import free_report_html
+
+        return free_report_html(self)
+
+
+def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run: bool = False,
+               shell: Any | None = None, namespace: dict | None = None, nvml: Nvml | None = None) -> FreeReport:
+    """Give back stale memory on ``device``; with ``names``, delete those variables first."""
+    names = tuple(names)
+    if shell is None and namespace is None:
+        shell = current_shell()
+    if namespace is None:
+        namespace = getattr(shell, "user_ns", None) or sys.modules["__main__"].__dict__
+    missing = [n for n in names if n not in namespace]
+    if missing:
+        raise OomMagicError(f"no variable named {', '.join(map(repr, missing))}: nothing was deleted "
+                            f"(check the spelling; %who lists your variables)")
+    where = resolve_device(device, nvml)
+    torch = loaded_torch()
+    before = read_device(where, nvml)
+    if torch is None:
+        deleted = () if dry_run else _delete_names(namespace, shell, names)
+        return FreeReport(where, 0, (), before, before, deleted, (), dry_run,
+                          ("torch is not imported in this process: there are no tensors to free",))
+    types = tensor_types(torch)
+    # Every reference to the user's objects lives inside _act and is gone when it returns.
+    storages, kind_before, named, survivors = _act(torch, types, where, shell, namespace, names, dry_run)
+    notes: list[str] = []
+    if not dry_run and TRACEBACK in kind_before.values():
+        notes.append("the stored exception's frames were cleared: its printed traceback stays on screen, "
+                     "but %debug of that error is gone")
+    if dry_run:
+        gone = set(storages) - survivors
+        after, deleted, still = before, (), ()
+    else:
+        deleted = names
+        gc.collect()
+        _empty_caches(torch, where)
+        after = read_device(where, nvml)
+        after_live = find_tensors(torch, where)
+        try:
+            gone = set(storages) - set(after_live.storages)
+            still = _still_held(after_live, names, named, storages, torch, types, shell, namespace)
+        finally:
+            after_live.release()
+    by_kind: dict[str, int] = {}
+    for key in gone:
+        by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
+    return FreeReport(where, sum(by_kind.values()), tuple(sorted(by_kind.items())), before, after,
+                      deleted, still, dry_run, tuple(notes))
+
+
+def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: dict,
+         names: tuple[str, ...], dry_run: bool) -> tuple[dict[int, StorageRecord], dict[int, str], dict[str, set[int]], set[int]]:
+    """Attribute, then (unless a dry run) delete the names and drop stale references.
+
+    Returns plain data only: storages before, their holder kinds, the keys each name reached,
+    and (dry run) the keys that would survive.
+    """
+    roots = collect_roots(shell, namespace)
+    live = find_tensors(torch, where)
+    try:
+        attribution = attribute(live, roots, torch, types, trace_other=False)
+        stale = {k: h for k, h in attribution.holders.items() if h.kind in STALE_KINDS}
+        named = _reachable_from_names(live, roots, names, torch, types)
+        kinds = {k: attribution.holders[k].kind if k in attribution.holders else "other" for k in live.storages}
+        survivors: set[int] = set()
+        if dry_run:
+            survivors = _dry_run_survivors(live, roots, names, torch, types, named, stale)
+        else:
+            _give_back(roots, stale, attribution, shell, namespace, names)
+        return dict(live.storages), kinds, named, survivors
+    finally:
+        live.release()
+
+
+def _reachable_from_names(live: LiveTensors, roots: Roots, names: tuple[str, ...], torch: Any,
+                          types: frozenset[type]) -> dict[str, set[int]]:
+    """Storage keys each named variable reaches."""
+    result: dict[str, set[int]] = {}
+    user = dict(roots.user)
+    for name in names:
+        only = Roots(user=((variable_path(name), user.get(variable_path(name))),), containers=roots.containers)
+        result[name] = set(attribute(live, only, torch, types, find_garbage=False, trace_other=False).holders)
+    return result
+
+
+def _dry_run_survivors(live: LiveTensors, roots: Roots, names: tuple[str, ...], torch: Any,
+                       types: frozenset[type], named: dict[str, set[int]], stale: dict) -> set[int]:
+    """Storages that would stay: everything except stale ones and those only the names reach."""
+    paths = {variable_path(n) for n in names}
+    remaining = Roots(user=tuple((p, o) for p, o in roots.user if p not in paths), containers=roots.containers)
+    kept = set(attribute(live, remaining, torch, types, find_garbage=False, trace_other=False).holders)
+    named_keys = set().union(*named.values()) if named else set()
+    return {k for k in live.storages if k not in stale and (k in kept or k not in named_keys)}
+
+
+def _give_back(roots: Roots, stale: dict, attribution: Attribution, shell: Any,
+               namespace: dict, names: tuple[str, ...]) -> None:
+    """Delete the named variables, drop stale output-cache entries, clear stale tracebacks."""
+    named_objects = [namespace[n] for n in names]
+    removed: dict[str, object] = {}
+    try:
+        for name in names:
+            removed[name] = namespace.pop(name)
+        stale_roots = {h.root for h in stale.values()}
+        cached = [obj for name, obj in roots.output_cache if name in stale_roots
+                  and id(obj) not in attribution.user_reachable]
+        _drop_output_refs(cached + named_objects, shell, namespace)
+        for name, obj in roots.traceback:
+            if name in stale_roots and id(obj) not in attribution.user_reachable:
+                _clear_exception(obj)
+        if any(h.kind == TRACEBACK for h in stale.values()):
+            for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
+                if hasattr(sys, attr):
+                    delattr(sys, attr)
+    except Exception:
+        namespace.update(removed)  # a part-way failure leaves every user variable in place
+        raise
+
+
+def _drop_output_refs(objects: list[object], shell: Any, namespace: dict) -> None:
+    """Remove IPython's output-history references (Out[N], _N, _, __, ___) to these objects only."""
+    if not objects:
+        return
+    ids = {id(o) for o in objects}
+    out = namespace.get("Out")
+    if type(out) is dict:
+        for n in [n for n, v in out.items() if id(v) in ids]:
+            del out[n]
+    hidden = getattr(shell, "user_ns_hidden", {}) if shell is not None else {}
+    for ns in (namespace, hidden):
+        for key in [k for k, v in list(ns.items()) if isinstance(k, str) and id(v) in ids
+                    and (k in ("_", "__", "___") or (k[:1] == "_" and k[1:].isdigit()))]:
+            if key in ("_", "__", "___"):
+                ns[key] = ""
+            else:
+                del ns[key]
+    hook = getattr(shell, "displayhook", None)
+    for attr in ("_", "__", "___"):
+        if id(getattr(hook, attr, None)) in ids:
+            setattr(hook, attr, "")
+    last = getattr(shell, "last_execution_result", None)
+    if last is not None and id(getattr(last, "result", None)) in ids:
+        last.result = None
+
+
+def _clear_exception(obj: object) -> None:
+    """Clear the frames of an exception's (or a traceback's) whole chain; running frames are skipped."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, BaseException):
+            stack += [item.__traceback__, item.__cause__, item.__context__]
+        elif type(item).__name__ == "traceback":
+            tb = item
+            while tb is not None:
+                try:
+                    tb.tb_frame.clear()
+                except RuntimeError:  # a frame still executing (this very call stack)
+                    pass
+                tb = tb.tb_next
+
+
+def _empty_caches(torch: Any, device: str) -> None:
+    try:
+        if device.startswith("cuda") and cuda_initialized():
+            torch.cuda.empty_cache()
+        elif device == "mps":
+            torch.mps.empty_cache()
+    except Exception:
+        pass
+
+
+def _still_held(after_live: LiveTensors, names: tuple[str, ...], named: dict[str, set[int]],
+                storages: dict[int, StorageRecord], torch: Any, types: frozenset[type], shell: Any,
+                namespace: dict) -> tuple[StillHeld, ...]:
+    """For each deleted name: which of its storages are still alive, and what holds them."""
+    if not names:
+        return ()
+    holders = attribute(after_live, collect_roots(shell, namespace), torch, types,
+                        find_garbage=False, trace_other=True).holders
+    result = []
+    for name in names:
+        alive = [k for k in named.get(name, ()) if k in after_live.storages]
+        if not alive:
+            continue
+        paths = [holders[k].path for k in alive if k in holders]
+        result.append(StillHeld(name, sum(storages[k].bytes for k in alive), _holder_names(paths)))
+    return tuple(result)
+
+
+def _holder_names(paths: list[str]) -> tuple[str, ...]:
+    """Group holder paths by root variable and shorten each group to its common prefix."""
+    by_root: dict[str, list[str]] = {}
+    for p in paths:
+        root = p.split(".", 1)[0].split("[", 1)[0].split(" ", 1)[0]
+        by_root.setdefault(root, []).append(p)
+    names = []
+    for root, group in by_root.items():
+        prefix = group[0] if len(group) == 1 else _common_prefix(group)
+        names.append(prefix if prefix.startswith(root) else root)
+    return tuple(names) or ("something the walk could not name",)
+
+
+def _common_prefix(paths: list[str]) -> str:
+    """Longest common prefix cut back to a whole segment (before a '.' or '[')."""
+    first, last = min(paths), max(paths)
+    n = 0
+    while n < len(first) and n < len(last) and first[n] == last[n]:
+        n += 1
+    prefix = first[:n]
+    cut = max(prefix.rfind("."), prefix.rfind("["))
+    if n == len(first) or (n < len(first) and first[n] in ".["):
+        return prefix
+    return prefix[:cut] if cut > 0 else prefix

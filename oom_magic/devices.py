@@ -1,0 +1,227 @@
+"""Read a device's memory: NVML for the device and its processes, torch's allocator, psutil.
+
+Nothing here creates a CUDA context: allocator figures are read only when
+``torch.cuda.is_initialized()``; otherwise NVML answers (it needs no context).
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from typing import Any
+
+from ._torch import cuda_initialized, loaded_torch
+from .errors import OomMagicError
+from .nvml import (Nvml, NvmlDevice, default_nvml, format_pci_bus_id, nvml_device_for_torch, ordering_note,
+                   visible_nvml_devices)
+from .processes import ProcessInfo, describe_processes
+
+
+@dataclass(frozen=True)
+class DeviceReading:
+    """One device's memory at one moment; int bytes, None where unknown (see ``notes``)."""
+
+    device: str
+    name: str | None
+    total: int | None
+    free: int | None
+    used: int | None            # whole device, every process
+    process_used: int | None    # this process on this device (cpu: resident set size)
+    allocated: int | None       # torch's allocator: bytes in live tensors
+    reserved: int | None        # torch's allocator: allocated + its cache
+    peak_allocated: int | None
+    processes: tuple[ProcessInfo, ...] = ()  # other processes on this device
+    notes: tuple[str, ...] = ()
+
+    @property
+    def cache(self) -> int | None:
+        """Reserved by PyTorch but unallocated: given back by ``empty_cache()``."""
+        if self.reserved is None or self.allocated is None:
+            return None
+        return self.reserved - self.allocated
+
+    @property
+    def context(self) -> int | None:
+        """This process's device memory that PyTorch's allocator does not hold (CUDA context, libraries)."""
+        if self.process_used is None or self.reserved is None or not self.device.startswith("cuda"):
+            return None
+        return max(self.process_used - self.reserved, 0)
+
+    @property
+    def other_processes_used(self) -> int | None:
+        """Bytes held by other processes, where NVML reports them."""
+        known = [p.used_bytes for p in self.processes if p.used_bytes is not None]
+        return sum(known) if known or not self.processes else None
+
+
+def available_devices(nvml: Nvml | None = None) -> tuple[str, ...]:
+    """The devices present, as torch names them: ``cuda:N`` for each visible GPU, ``mps``, ``cpu``."""
+    found: list[str] = [f"cuda:{i}" for i in range(_cuda_count(nvml))]
+    torch = loaded_torch()
+    if torch is not None and _mps_available(torch):
+        found.append("mps")
+    found.append("cpu")
+    return tuple(found)
+
+
+def default_device(nvml: Nvml | None = None) -> str:
+    """The current CUDA device when CUDA is available (decided without a context), else cpu."""
+    if _cuda_count(nvml) == 0:
+        torch = loaded_torch()
+        return "mps" if torch is not None and _mps_available(torch) else "cpu"
+    torch = loaded_torch()
+    if torch is not None and cuda_initialized():
+        try:
+            return f"cuda:{torch.cuda.current_device()}"
+        except Exception:
+            pass
+    return "cuda:0"
+
+
+def resolve_device(spec: str | None, nvml: Nvml | None = None) -> str:
+    """Turn ``None``/"cuda"/"cuda:1"/"cpu"/"mps" into a present device, or say which exist."""
+    if spec is None or str(spec).strip() == "":
+        return default_device(nvml)
+    text = str(spec).strip().lower()
+    present = available_devices(nvml)
+    if text == "cuda" or text == "gpu":
+        cuda = [d for d in present if d.startswith("cuda")]
+        if cuda:
+            return default_device(nvml)
+    elif text.isdigit() and f"cuda:{text}" in present:
+        return f"cuda:{text}"
+    elif text in present:
+        return text
+    raise OomMagicError(f"unknown device {spec!r}: this machine has {', '.join(present)}")
+
+
+def read_device(device: str, nvml: Nvml | None = None) -> DeviceReading:
+    """Read one device (``cuda:N``, ``mps`` or ``cpu``) without creating a CUDA context."""
+    if device.startswith("cuda"):
+        return _read_cuda(int(device.partition(":")[2] or 0), nvml or default_nvml())
+    if device == "mps":
+        return _read_mps()
+    return _read_cpu()
+
+
+def _cuda_count(nvml: Nvml | None) -> int:
+    torch = loaded_torch()
+    if torch is not None:
+        try:
+            # device_count() asks the driver (or NVML) without creating a context.
+            return int(torch.cuda.device_count())
+        except Exception:
+            return 0
+    nvml = nvml or default_nvml()
+    if not nvml.status.available:
+        return 0
+    return len(visible_nvml_devices(nvml))
+
+
+def _mps_available(torch: Any) -> bool:
+    try:
+        return bool(torch.backends.mps.is_available())
+    except Exception:
+        return False
+
+
+def _read_cpu() -> DeviceReading:
+    import psutil
+
+    notes: list[str] = []
+    total = available = rss = None
+    try:
+        vm = psutil.virtual_memory()
+        total, available = int(vm.total), int(vm.available)
+    except Exception as exc:
+        notes.append(f"psutil could not read system memory: {exc}")
+    try:
+        rss = int(psutil.Process().memory_info().rss)
+    except Exception as exc:
+        notes.append(f"psutil could not read this process's memory: {exc}")
+    used = total - available if total is not None and available is not None else None
+    name = platform.processor() or platform.machine() or None
+    return DeviceReading("cpu", name, total, available, used, rss, None, None, None, (), tuple(notes))
+
+
+def _read_mps() -> DeviceReading:
+    import psutil
+
+    torch = loaded_torch()
+    notes: list[str] = []
+    allocated = driver = total = None
+    try:
+        allocated = int(torch.mps.current_allocated_memory())
+        driver = int(torch.mps.driver_allocated_memory())
+        total = int(torch.mps.recommended_max_memory())
+    except Exception as exc:
+        notes.append(f"torch.mps figures unavailable: {exc}")
+    try:
+        total = total or int(psutil.virtual_memory().total)
+    except Exception:
+        pass
+    free = total - driver if total is not None and driver is not None else None
+    return DeviceReading("mps", "Apple GPU (unified memory)", total, free, driver, driver,
+                         allocated, driver, None, (), tuple(notes))
+
+
+def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
+    torch = loaded_torch()
+    notes: list[str] = []
+    initialized = cuda_initialized()
+    allocated = reserved = peak = None
+    pci_bus_id = None
+    if initialized:
+        try:
+            allocated = int(torch.cuda.memory_allocated(index))
+            reserved = int(torch.cuda.memory_reserved(index))
+            peak = int(torch.cuda.max_memory_allocated(index))
+            pci_bus_id = _torch_pci_bus_id(torch, index)
+        except Exception as exc:
+            notes.append(f"PyTorch allocator figures unavailable: {exc}")
+    else:
+        # No context: PyTorch cannot hold anything on this device yet.
+        allocated = reserved = peak = 0
+        notes.append("CUDA is not initialized in this process: PyTorch holds nothing on it yet")
+    name = total = free = used = process_used = None
+    others: tuple[ProcessInfo, ...] = ()
+    status = nvml.status
+    if status.available:
+        dev: NvmlDevice | None = nvml_device_for_torch(nvml, index, pci_bus_id)
+        if dev is None:
+            notes.append(f"NVML has no device matching cuda:{index} (check CUDA_VISIBLE_DEVICES)")
+        else:
+            name, total, free, used = dev.name, dev.total, dev.free, dev.used
+            described = describe_processes(nvml.processes(dev), self_pid=os.getpid())
+            if nvml.processes_note:
+                notes.append(nvml.processes_note)
+            mine = [p for p in described if p.is_self]
+            others = tuple(p for p in described if not p.is_self)
+            if mine:
+                process_used = mine[0].used_bytes
+            elif not initialized:
+                process_used = 0
+            else:
+                notes.append("NVML does not list this process (a container's pid namespace hides it)")
+        order = ordering_note(nvml)
+        if order:
+            notes.append(order)
+    else:
+        notes.append(f"NVML unavailable: {status.reason}")
+        if initialized:
+            try:
+                free_b, total_b = torch.cuda.mem_get_info(index)
+                free, total, used = int(free_b), int(total_b), int(total_b) - int(free_b)
+                name = torch.cuda.get_device_name(index)
+            except Exception as exc:
+                notes.append(f"torch.cuda.mem_get_info failed: {exc}")
+    return DeviceReading(f"cuda:{index}", name, total, free, used, process_used, allocated,
+                         reserved, peak, others, tuple(notes))
+
+
+def _torch_pci_bus_id(torch: Any, index: int) -> str | None:
+    try:
+        props = torch.cuda.get_device_properties(index)
+        return format_pci_bus_id(props.pci_domain_id, props.pci_bus_id, props.pci_device_id)
+    except Exception:
+        return None

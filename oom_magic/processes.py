@@ -1,0 +1,132 @@
+"""Say who the processes on a GPU are (name, user, Jupyter kernel or not) without prying into others'.
+
+NVML gives pids and bytes; psutil gives the rest. Another user's process shows its pid, user and
+bytes only: never its name, command line or files. Nothing here raises.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+from .nvml import NvmlProcess
+
+__all__ = ["ProcessInfo", "describe_processes", "looks_like_jupyter_kernel"]
+
+_NOTE_ACCESS_DENIED = "access denied"
+_NOTE_EXITED = "process has exited"
+_NOTE_OTHER_USER = "another user's process"
+
+# A kernel's connection file: "kernel-<id>.json", passed as "-f <path>", "--f=<path>" or bare.
+_CONNECTION_FILE = re.compile(r"(?:^|[/\\=])kernel-[^/\\]*\.json$")
+_KERNEL_MODULES = {"ipykernel", "ipykernel_launcher"}
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process holding device memory, described as far as privacy and permissions allow."""
+
+    pid: int
+    used_bytes: int | None
+    name: str | None  # None for other users' processes and when access is denied
+    user: str | None
+    is_jupyter_kernel: bool | None  # None when the command line could not be read
+    is_self: bool
+    note: str | None  # "access denied", "process has exited", "another user's process"
+
+
+def looks_like_jupyter_kernel(cmdline: Sequence[str]) -> bool:
+    """Whether a command line runs ipykernel or names a kernel-*.json connection file."""
+    for position, arg in enumerate(cmdline):
+        base = re.split(r"[/\\]", arg)[-1]
+        if base in ("ipykernel_launcher.py", "ipykernel_launcher"):
+            return True
+        if position > 0 and cmdline[position - 1] == "-m" and arg.split(".")[0] in _KERNEL_MODULES:
+            return True
+        if _CONNECTION_FILE.search(arg):
+            return True
+    return False
+
+
+def _load_psutil(psutil_module: ModuleType | Any | None) -> Any:
+    if psutil_module is not None:
+        return psutil_module
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil
+
+
+def _own_user(psutil: Any) -> str | None:
+    try:
+        return psutil.Process(os.getpid()).username()
+    except Exception:
+        return None
+
+
+def _describe_one(
+    proc: NvmlProcess, psutil: Any, own_user: str | None, self_pid: int
+) -> ProcessInfo:
+    pid, used = proc.pid, proc.used_bytes
+    is_self = pid == self_pid
+
+    def bare(note: str | None, user: str | None = None) -> ProcessInfo:
+        return ProcessInfo(pid, used, None, user, None, is_self, note)
+
+    if psutil is None:
+        return bare("psutil not installed")
+    no_such = getattr(psutil, "NoSuchProcess", ())
+    denied = getattr(psutil, "AccessDenied", ())
+    try:
+        process = psutil.Process(pid)
+        user = process.username()
+        # Privacy first: if we cannot tell whose it is, treat it as someone else's.
+        if not is_self and (own_user is None or user != own_user):
+            return bare(_NOTE_OTHER_USER, user)
+        name = process.name()
+        cmdline = process.cmdline()
+    except no_such:  # ZombieProcess is a NoSuchProcess too
+        return bare(_NOTE_EXITED)
+    except denied:
+        return bare(_NOTE_ACCESS_DENIED)
+    except Exception as exc:
+        return bare(f"could not read process: {type(exc).__name__}")
+    return ProcessInfo(
+        pid=pid,
+        used_bytes=used,
+        name=name or None,
+        user=user,
+        is_jupyter_kernel=looks_like_jupyter_kernel(list(cmdline or ())),
+        is_self=is_self,
+        note=None,
+    )
+
+
+def describe_processes(
+    procs: Iterable[NvmlProcess],
+    *,
+    self_pid: int | None = None,
+    psutil_module: ModuleType | Any | None = None,
+) -> tuple[ProcessInfo, ...]:
+    """Describe NVML's processes, largest memory first; other users' processes show no name.
+
+    ``self_pid`` defaults to this process; ``psutil_module`` is for tests. In a container NVML
+    reports host pids, which psutil may not see: those read "process has exited".
+    """
+    psutil = _load_psutil(psutil_module)
+    me = os.getpid() if self_pid is None else self_pid
+    own_user = _own_user(psutil) if psutil is not None else None
+    described = []
+    for proc in procs:
+        try:
+            described.append(_describe_one(proc, psutil, own_user, me))
+        except Exception as exc:  # never into the user's cell
+            described.append(
+                ProcessInfo(proc.pid, proc.used_bytes, None, None, None, proc.pid == me,
+                            f"could not read process: {type(exc).__name__}")
+            )
+    described.sort(key=lambda p: (p.used_bytes is None, -(p.used_bytes or 0), p.pid))
+    return tuple(described)

@@ -1,0 +1,62 @@
+"""Static HTML reports for notebooks and exports; every outside string is escaped."""
+from __future__ import annotations
+
+from html import escape
+from typing import TYPE_CHECKING
+
+from .segments import memory_segments
+from .text import free_report_text, usage_line
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from ..cleanup import FreeReport
+    from ..snapshot import Snapshot
+
+COLORS = {"user": "#4c78a8", "stale": "#e45756", "other": "#b279a2", "untracked": "#9d755d",
+          "cache": "#f2cf5b", "context": "#bab0ac", "process-rest": "#bab0ac", "others": "#72b7b2",
+          "free": "#e8e8e8"}
+
+
+def bar_html(snap: Snapshot) -> str:
+    """A stacked bar, one coloured span per segment with its figure on hover."""
+    segments = [s for s in memory_segments(snap) if s.bytes]
+    total = snap.reading.total or sum(s.bytes for s in segments) or 1
+    spans = "".join(
+        f'<span class="oom-seg oom-seg-{s.key}" title="{escape(s.label)}: {format_bytes(s.bytes)} — {escape(s.explain)}" '
+        f'style="display:inline-block;height:14px;width:{max(100 * s.bytes / total, 0.3):.2f}%;background:{COLORS.get(s.key, "#888")}"></span>'
+        for s in segments
+    )
+    return f'<div class="oom-bar" style="width:100%;max-width:640px;white-space:nowrap;overflow:hidden;border:1px solid #ccc">{spans}</div>'
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    th = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table class='oom-table'><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def snapshot_html(snap: Snapshot) -> str:
+    """The %gpumem report as HTML: usage line, bar, split, processes, top holders."""
+    r = snap.reading
+    parts = [f"<div class='oom-snapshot'><b>{escape(usage_line(r))}</b>", bar_html(snap)]
+    parts.append(_table(("this process", "bytes", "what it is"),
+                        [(s.label, format_bytes(s.bytes), s.explain) for s in memory_segments(snap) if s.key != "free"]))
+    if r.processes:
+        parts.append(_table(("pid", "process", "user", "Jupyter kernel", "bytes"), [
+            (str(p.pid), p.name or "?", p.user or "?", "yes" if p.is_jupyter_kernel else "", format_bytes(p.used_bytes))
+            for p in r.processes]))
+    groups = snap.holders()
+    if groups:
+        shown = groups if snap.top_n <= 0 else groups[: snap.top_n]
+        parts.append(_table(("holder", "bytes", "dtype", "shape", "kind"), [
+            (g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar", g.kind) for g in shown]))
+    notes = r.notes + snap.notes
+    if notes:
+        parts.append("<ul class='oom-notes'>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")
+    parts.append(f"<small>scanned {snap.objects_scanned:,} objects in {snap.scan_seconds * 1000:.1f} ms</small></div>")
+    return "".join(parts)
+
+
+def free_report_html(report: FreeReport) -> str:
+    """The %freeall report as HTML (the text report, escaped, in a pre block)."""
+    return f"<pre class='oom-free'>{escape(free_report_text(report))}</pre>"

@@ -1,0 +1,102 @@
+"""Aligned plain-text reports for terminals and text/plain exports."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from .segments import Segment, memory_segments
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from ..cleanup import FreeReport
+    from ..devices import DeviceReading
+    from ..snapshot import Snapshot
+
+BAR_WIDTH = 40
+_BAR_CHARS = {"user": "█", "stale": "▓", "other": "▒", "untracked": "░", "cache": "▚",
+              "context": "▞", "process-rest": "▞", "others": "■", "free": "·"}
+
+
+def usage_line(reading: DeviceReading) -> str:
+    """``cuda:0 NVIDIA H200 · 14.20 GiB used of 15.78 GiB · 1.58 GiB free``."""
+    name = f" {reading.name}" if reading.name else ""
+    free_word = "available" if reading.device == "cpu" else "free"
+    return (f"{reading.device}{name} · {format_bytes(reading.used)} used of {format_bytes(reading.total)}"
+            f" · {format_bytes(reading.free)} {free_word}")
+
+
+def bar(segments: Iterable[Segment], total: int | None, width: int = BAR_WIDTH) -> str:
+    """A one-line bar with one character run per segment, proportional to bytes."""
+    segs = [s for s in segments if s.bytes]
+    whole = total or sum(s.bytes or 0 for s in segs) or 1
+    out = ""
+    for s in segs:
+        out += _BAR_CHARS.get(s.key, "#") * round(width * (s.bytes or 0) / whole)
+    return "[" + out[:width].ljust(width, " ") + "]"
+
+
+def table(rows: Iterable[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    """Left-align the first column, right-align the rest."""
+    rows = list(rows)
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append((indent + "  ".join(cells)).rstrip())
+    return lines
+
+
+def snapshot_text(snap: Snapshot) -> str:
+    """The %gpumem report: usage line, bar, this process split, other processes, top holders."""
+    r = snap.reading
+    segments = memory_segments(snap)
+    lines = [usage_line(r), bar(segments, r.total) + "  " + "  ".join(
+        f"{_BAR_CHARS.get(s.key, '#')} {s.label}" for s in segments if s.bytes)]
+    lines.append("this process" + (f" ({format_bytes(r.process_used)} resident)" if snap.device == "cpu" else ""))
+    lines += table((s.label, format_bytes(s.bytes), s.explain) for s in segments if s.key != "free")
+    stale_parts = [(k, b) for k, b in snap.bytes_by_kind if k in ("output-cache", "traceback", "garbage") and b]
+    if stale_parts:
+        lines.append("  stale is " + ", ".join(f"{k} {format_bytes(b)}" for k, b in stale_parts))
+    if r.processes:
+        lines.append("other processes")
+        lines += table((f"pid {p.pid}", _process_label(p), format_bytes(p.used_bytes)) for p in r.processes)
+    groups = snap.holders()
+    if groups:
+        shown = groups if snap.top_n <= 0 else groups[: snap.top_n]
+        lines.append(f"top holders ({len(shown)} of {len(groups)})")
+        lines += table((g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar", g.kind)
+                       for g in shown)
+    lines.append(f"scanned {snap.objects_scanned:,} objects in {snap.scan_seconds * 1000:.1f} ms")
+    lines += [f"note: {n}" for n in r.notes + snap.notes]
+    return "\n".join(lines)
+
+
+def _process_label(p) -> str:
+    parts = [p.name or "?"]
+    if p.user:
+        parts.append(f"user {p.user}")
+    if p.is_jupyter_kernel:
+        parts.append("Jupyter kernel")
+    if p.note:
+        parts.append(p.note)
+    return ", ".join(parts)
+
+
+def free_report_text(report: FreeReport) -> str:
+    """The %freeall report: what was given back, by holder kind, and the reading before → after."""
+    verb = "would free" if report.dry_run else "freed"
+    lines = []
+    for name in report.deleted:
+        lines.append(f"deleted `{name}`")
+    lines.append(f"{verb} {format_bytes(report.freed_bytes)} on {report.device}"
+                 + (" (" + ", ".join(f"{k} {format_bytes(b)}" for k, b in report.freed_by_kind if b) + ")"
+                    if any(b for _, b in report.freed_by_kind) else ""))
+    for held in report.still_held:
+        lines.append(held.sentence())
+    before, after = report.before, report.after
+    lines.append(f"{report.device}: {format_bytes(before.used)} → {format_bytes(after.used)} used"
+                 + (f"; this process {format_bytes(before.process_used)} → {format_bytes(after.process_used)}"
+                    if before.process_used is not None else ""))
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""Take a snapshot of a device: its reading, its live storages and who holds each one."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ._torch import loaded_torch
+from .devices import DeviceReading, read_device, resolve_device
+from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, attribute
+from .nvml import Nvml
+from .roots import Roots, collect_roots
+from .tracker import StorageRecord, find_tensors, tensor_types
+
+HOLDER_KINDS = (USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER)
+
+
+@dataclass(frozen=True)
+class HolderGroup:
+    """Storages grouped under one holder path, for the top-N table."""
+
+    kind: str
+    path: str
+    bytes: int
+    storages: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What uses a device right now and who holds it; int bytes, None where unknown."""
+
+    device: str
+    reading: DeviceReading
+    storages: tuple[StorageRecord, ...]
+    bytes_by_kind: tuple[tuple[str, int], ...]
+    scan_seconds: float
+    objects_scanned: int
+    attribution_complete: bool
+    notes: tuple[str, ...] = ()
+    top_n: int = 10
+    view: str = "table"  # "table" or "json": how the notebook/terminal shows it
+
+    # Figures the user asks for by name.
+    def kind_bytes(self, kind: str) -> int:
+        """Bytes of storages held by one holder kind (user, output-cache, traceback, garbage, other)."""
+        return dict(self.bytes_by_kind).get(kind, 0)
+
+    @property
+    def tracked_bytes(self) -> int:
+        """Bytes in every live storage the heap scan found on this device."""
+        return sum(b for _, b in self.bytes_by_kind)
+
+    @property
+    def user_bytes(self) -> int:
+        """Bytes reachable from the user's variables."""
+        return self.kind_bytes(USER)
+
+    @property
+    def stale_bytes(self) -> int:
+        """Bytes only the output cache, a stored traceback or garbage holds: safe to free."""
+        return sum(self.kind_bytes(k) for k in STALE_KINDS)
+
+    @property
+    def other_bytes(self) -> int:
+        """Bytes held by something else (a library global, an object the walk could not name)."""
+        return self.kind_bytes(OTHER)
+
+    @property
+    def untracked_bytes(self) -> int | None:
+        """Allocator total minus tracked storages (autograd graph, workspaces); None without an allocator."""
+        if self.reading.allocated is None or self.device == "cpu":
+            return None
+        return self.reading.allocated - self.tracked_bytes
+
+    def holders(self, kind: str | None = None) -> tuple[HolderGroup, ...]:
+        """Storages grouped by holder path, largest first (optionally one kind only)."""
+        groups: dict[tuple[str, str], list[StorageRecord]] = {}
+        for record in self.storages:
+            if kind is None or record.holder_kind == kind:
+                groups.setdefault((record.holder_kind, record.holder_path or "?"), []).append(record)
+        result = [
+            HolderGroup(k, path, sum(r.bytes for r in rs), len(rs),
+                        max(rs, key=lambda r: r.bytes).dtype, max(rs, key=lambda r: r.bytes).shape)
+            for (k, path), rs in groups.items()
+        ]
+        return tuple(sorted(result, key=lambda g: (-g.bytes, g.path)))
+
+    def held_by(self, path_prefix: str) -> int:
+        """Bytes of storages whose holder path starts with ``path_prefix`` (e.g. ``"model"``)."""
+        return sum(r.bytes for r in self.storages
+                   if r.holder_path is not None and _path_under(r.holder_path, path_prefix))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every figure (int bytes, None where unknown)."""
+        from .render.json import snapshot_dict
+
+        return snapshot_dict(self)
+
+    def __repr__(self) -> str:
+        return (f"<Snapshot {self.device}: {len(self.storages)} storages, user={self.user_bytes} B, "
+                f"stale={self.stale_bytes} B, untracked={self.untracked_bytes}>")
+
+    def __str__(self) -> str:
+        from .render.text import snapshot_text
+
+        return snapshot_text(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(self.to_json_text() if self.view == "json" else str(self))
+
+    def _repr_html_(self) -> str | None:
+        if self.view == "json":
+            return None
+        from .render.html import snapshot_html
+
+        return snapshot_html(self)
+
+    def to_json_text(self) -> str:
+        """The snapshot as indented JSON text."""
+        import json
+
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def _path_under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith((prefix + ".", prefix + "[", prefix + " "))
+
+
+def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvml | None = None,
+             top: int = 10, find_garbage: bool = True) -> Snapshot:
+    """Read ``device`` and attribute every live tensor storage on it to its holder."""
+    started = time.perf_counter()
+    where = resolve_device(device, nvml)
+    reading = read_device(where, nvml)
+    torch = loaded_torch()
+    if torch is None:
+        return Snapshot(where, reading, (), (), time.perf_counter() - started, 0, True,
+                        ("torch is not imported in this process: no tensors to attribute",), top)
+    live = find_tensors(torch, where)
+    try:
+        attribution = attribute(live, roots if roots is not None else collect_roots(), torch,
+                                tensor_types(torch), find_garbage=find_garbage)
+        storages = tuple(
+            replace(record, holder_kind=h.kind, holder_path=h.path) if (h := attribution.holders.get(key)) else record
+            for key, record in live.storages.items()
+        )
+    finally:
+        live.release()
+    totals = {kind: 0 for kind in HOLDER_KINDS}
+    for record in storages:
+        totals[record.holder_kind] += record.bytes
+    notes: list[str] = []
+    if not attribution.complete:
+        notes.append(f"holder walk stopped after {attribution.nodes_walked} objects: some holders are shown as 'other'")
+    if live.byteless:
+        notes.append(f"{live.byteless} meta/fake tensors hold no device bytes and are not counted")
+    storages = tuple(sorted(storages, key=lambda r: -r.bytes))
+    return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
+                    live.objects_scanned, attribution.complete, tuple(notes), top)

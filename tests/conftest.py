@@ -1,0 +1,30 @@
+"""Shared fixtures: a real IPython shell with the extension loaded, fresh per test."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def _global_ip():
+    from IPython.testing.globalipapp import start_ipython
+
+    return start_ipython()
+
+
+@pytest.fixture
+def ip(_global_ip):
+    """The real IPython shell, extension loaded, user namespace and history reset afterwards."""
+    shell = _global_ip
+    shell.run_line_magic("load_ext", "oom_magic")
+    yield shell
+    shell.run_line_magic("reset", "-f")
+    shell.run_line_magic("unload_ext", "oom_magic")
+    import sys
+
+    for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, attr):
+            delattr(sys, attr)
+    shell.last_execution_result = None
+    gc.collect()
