@@ -5,37 +5,23 @@ the functions below. Importing this package imports neither torch nor IPython.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+# Eager and cheap (none of these imports torch or IPython); bound here so that a module named
+# like its function (snapshot, diagnose) never shadows the function on the package.
+from .cleanup import FreeReport, free_stale
+from .devices import DeviceReading, available_devices, read_device
+from .errors import OomMagicError
+from .oom import OOMMessage, is_out_of_memory, parse_oom_message
+from .snapshot import Snapshot, snapshot
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it; loaded on first use so `import oom_magic` stays free.
-_EXPORTS = {
-    "snapshot": "snapshot", "Snapshot": "snapshot",
-    "free_stale": "cleanup", "FreeReport": "cleanup",
-    "read_device": "devices", "DeviceReading": "devices", "available_devices": "devices",
-    "parse_oom_message": "oom", "OOMMessage": "oom", "is_out_of_memory": "oom",
-    "estimate_checkpoint": "estimate", "CheckpointEstimate": "estimate",
-    "diagnose": "diagnose", "Diagnosis": "diagnose",
-    "guard_load": "guard",
-    "OomMagicError": "errors",
-}
-__all__ = sorted(_EXPORTS) + ["load_ipython_extension", "unload_ipython_extension"]
-
-if TYPE_CHECKING:
-    from .cleanup import FreeReport, free_stale
-    from .devices import DeviceReading, available_devices, read_device
-    from .errors import OomMagicError
-    from .snapshot import Snapshot, snapshot
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'oom_magic' has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(f"{__name__}.{module}"), name)
+__all__ = [
+    "DeviceReading", "FreeReport", "OOMMessage", "OomMagicError", "Snapshot",
+    "available_devices", "free_stale", "is_out_of_memory", "parse_oom_message", "read_device",
+    "snapshot", "load_ipython_extension", "unload_ipython_extension",
+]
 
 
 def load_ipython_extension(ipython: Any) -> None:

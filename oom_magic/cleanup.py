@@ -227,11 +227,20 @@ def _clear_exception(obj: object) -> None:
         elif type(item).__name__ == "traceback":
             tb = item
             while tb is not None:
-                try:
-                    tb.tb_frame.clear()
-                except RuntimeError:  # a frame still executing (this very call stack)
-                    pass
+                _clear_frame(tb.tb_frame)
                 tb = tb.tb_next
+
+
+def _clear_frame(frame: Any) -> None:
+    """Drop a finished frame's locals, including the dict snapshot ``f_locals`` may have cached."""
+    try:
+        frame.clear()
+    except RuntimeError:  # a frame still executing (this very call stack)
+        return
+    # Python <= 3.12 keeps a materialised f_locals dict after clear(); reading f_locals
+    # re-syncs it from the now-empty fast locals, which deletes the stale entries.
+    if frame.f_code.co_flags & 0x1:  # CO_OPTIMIZED: a function frame, not a module's globals
+        frame.f_locals
 
 
 def _empty_caches(torch: Any, device: str) -> None:

@@ -279,26 +279,93 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
     return Attribution(holders, walk.complete, walk.nodes, user_reachable)
 
 
-def _garbage_storages(live: LiveTensors, unclaimed: list[Any]) -> set[int]:
-    """Storages whose only holders are unreachable cycles, found with one saving collection."""
+def _garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
+                      budget_seconds: float = 2.0) -> set[int]:
+    """Storages whose tensors sit in unreachable reference cycles, found without collecting.
+
+    A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
+    runs the collector's own test on the tensors' ancestors: an object is reachable when
+    something outside the ancestor set refers to it (its refcount exceeds the references from
+    inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
+    objects count as reachable, so a tensor is never called garbage by mistake.
+    """
+    deadline = time.perf_counter() + budget_seconds
     keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
-    refs = [weakref.ref(t) for t in unclaimed]
-    # Our own strong references would make garbage reachable: hold only weakrefs while collecting.
+    # The ancestor list holds the only references we keep, so refcounts can be accounted exactly.
+    ancestors: list[Any] = list(unclaimed)
     live.tensors[:] = [t for t in live.tensors if id(t) not in keys]
     unclaimed.clear()
-    before = len(gc.garbage)
-    flags = gc.get_debug()
-    gc.set_debug(flags | gc.DEBUG_SAVEALL)
-    try:
-        gc.collect()
-    finally:
-        gc.set_debug(flags)
-    found = {keys[id(o)] for o in gc.garbage[before:] if id(o) in keys}
-    # Back to unreachable: the next collection frees them, as it would have without us.
-    del gc.garbage[before:]
-    # The collector clears weakrefs to garbage only; the others come back through theirs.
-    live.tensors.extend(t for t in (r() for r in refs) if t is not None)
-    return found
+    index = {id(o): i for i, o in enumerate(ancestors)}
+    external: set[int] = set()
+    frontier = list(ancestors)
+    while frontier:
+        if len(ancestors) > budget_objects or time.perf_counter() > deadline:
+            external.update(id(o) for o in frontier)
+            break
+        ignore = {id(ancestors), id(frontier), id(live.tensors), id(index)}
+        found = gc.get_referrers(*frontier)
+        ignore.add(id(found))
+        frontier = []
+        for referrer in found:
+            if id(referrer) in ignore or id(referrer) in index:
+                continue
+            index[id(referrer)] = len(ancestors)
+            ancestors.append(referrer)
+            if _is_root_like(referrer):
+                external.add(id(referrer))  # module globals, classes, running frames: always reachable
+            else:
+                frontier.append(referrer)
+        del found
+    referrer = None  # the loop variable would count as an outside reference
+    marked = _reachable_ancestors(ancestors, index, external)
+    garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
+    alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
+    live.tensors.extend(o for o in ancestors if id(o) in keys)
+    ancestors.clear()
+    # A storage is garbage only when every tensor viewing it is.
+    return garbage - alive
+
+
+def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
+    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
+    inside = [0] * len(ancestors)
+    for holder in ancestors:
+        for child in gc.get_referents(holder):
+            i = index.get(id(child))
+            if i is not None:
+                inside[i] += 1
+    holder = child = None  # loop variables would add to the refcounts read below
+    # getrefcount's own argument and the ancestors list are the two references we hold.
+    start = [i for i in range(len(ancestors))
+             if id(ancestors[i]) in external or sys.getrefcount(ancestors[i]) - 2 > inside[i]]
+    marked = set(start)
+    while start:
+        for child in gc.get_referents(ancestors[start.pop()]):
+            i = index.get(id(child))
+            if i is not None and i not in marked:
+                marked.add(i)
+                start.append(i)
+    return marked
+
+
+def _is_root_like(obj: Any) -> bool:
+    cls = type(obj)
+    if cls is types.ModuleType or issubclass(cls, type):
+        return True
+    if cls is dict and "__name__" in obj and "__builtins__" in obj:
+        return True  # a module's globals
+    if cls is types.FrameType:
+        return _is_running(obj)
+    return False
+
+
+def _is_running(frame: types.FrameType) -> bool:
+    current = sys._getframe()
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
 
 
 def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,

@@ -1,0 +1,108 @@
+"""The heap scan on real tensors: one record per storage, exact bytes, no references kept."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from oom_magic.holders import attribute
+from oom_magic.roots import Roots
+from oom_magic.tracker import find_tensors, tensor_types
+
+
+def _scan(**user):
+    live = find_tensors(torch, "cpu")
+    try:
+        attribution = attribute(live, Roots(user=tuple(user.items())), torch, tensor_types(torch),
+                                find_garbage=False, trace_other=False)
+        return dict(live.storages), {k: h.path for k, h in attribution.holders.items()}
+    finally:
+        live.release()
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def test_views_share_one_storage_counted_once():
+    base = torch.zeros(1000, 250)
+    view, row = base[10:20], base[3]
+    storages, paths = _scan(base=base, view=view, row=row)
+    record = storages[_key(base)]
+    assert record.bytes == 1000 * 250 * 4
+    assert record.tensor_count == 3
+    assert record.shape == (1000, 250)  # the largest view names the storage
+    assert paths[_key(base)] == "base"
+    assert sum(1 for r in storages.values() if r.key == _key(view)) == 1
+
+
+def test_tied_weights_counted_once():
+    emb = torch.nn.Embedding(100, 16)
+    head = torch.nn.Linear(16, 100, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    storages, paths = _scan(model=model)
+    assert storages[_key(emb.weight)].bytes == 100 * 16 * 4
+    assert paths[_key(emb.weight)] in {"model.emb.weight", "model.head.weight"}
+
+
+def test_parameter_subclass_and_custom_subclass_found():
+    class QuantParam(torch.nn.Parameter):
+        pass
+
+    p = QuantParam(torch.ones(64, 64, dtype=torch.float16))
+    plain = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    assert type(p) in tensor_types(torch)
+    storages, paths = _scan(p=p, plain=plain)
+    assert storages[_key(p)].bytes == 64 * 64 * 2 and storages[_key(p)].dtype == "float16"
+    assert storages[_key(plain)].dtype == "bfloat16" and paths[_key(plain)] == "plain"
+
+
+def test_meta_tensors_hold_no_bytes():
+    meta = torch.empty(10_000, 10_000, device="meta")
+    live = find_tensors(torch, None)
+    try:
+        assert all(r.device != "meta" for r in live.storages.values())
+        assert live.byteless >= 1
+    finally:
+        live.release()
+    del meta
+
+
+def test_no_reference_kept_after_scan():
+    t = torch.ones(300, 300)
+    ref = weakref.ref(t)
+    storages, paths = _scan(t=t)
+    assert paths[_key(t)] == "t"
+    del t
+    gc.collect()
+    assert ref() is None
+
+
+def test_snapshot_keeps_no_reference(ip):
+    import oom_magic
+
+    ip.run_cell("import torch; big = torch.ones(512, 512)", store_history=True)
+    ref = weakref.ref(ip.user_ns["big"])
+    snap = oom_magic.snapshot("cpu")
+    assert snap.held_by("big") == 512 * 512 * 4
+    ip.run_cell("del big", store_history=True)
+    gc.collect()
+    assert ref() is None
+
+
+def test_transformers_model_bytes_exact(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    model = transformers.LlamaForCausalLM(config)
+    storages, paths = _scan(model=model)
+    expected = {_key(p): p.numel() * p.element_size() for p in model.parameters()}
+    expected.update({_key(b): b.untyped_storage().nbytes() for b in model.buffers()})
+    for key, nbytes in expected.items():
+        assert storages[key].bytes == nbytes
+    by_path = {paths[_key(p)]: p for p in model.parameters()}
+    assert "model.model.layers[1].mlp.up_proj.weight" in by_path
+    assert by_path["model.model.layers[1].mlp.up_proj.weight"] is model.model.layers[1].mlp.up_proj.weight
