@@ -87,7 +87,9 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
     torch = loaded_torch()
     before = read_device(where, nvml)
     if torch is None:
-        deleted = () if dry_run else _delete_names(namespace, shell, names)
+        if not dry_run:
+            _delete_names(namespace, shell, names)
+        deleted = () if dry_run else names
         return FreeReport(where, 0, (), before, before, deleted, (), dry_run,
                           ("torch is not imported in this process: there are no tensors to free",))
     types = tensor_types(torch)
@@ -166,15 +168,12 @@ def _dry_run_survivors(live: LiveTensors, roots: Roots, names: tuple[str, ...], 
 def _give_back(roots: Roots, stale: dict, attribution: Attribution, shell: Any,
                namespace: dict, names: tuple[str, ...]) -> None:
     """Delete the named variables, drop stale output-cache entries, clear stale tracebacks."""
-    named_objects = [namespace[n] for n in names]
-    removed: dict[str, object] = {}
+    removed = _delete_names(namespace, shell, names)
     try:
-        for name in names:
-            removed[name] = namespace.pop(name)
         stale_roots = {h.root for h in stale.values()}
         cached = [obj for name, obj in roots.output_cache if name in stale_roots
                   and id(obj) not in attribution.user_reachable]
-        _drop_output_refs(cached + named_objects, shell, namespace)
+        _drop_output_refs(cached, shell, namespace)
         for name, obj in roots.traceback:
             if name in stale_roots and id(obj) not in attribution.user_reachable:
                 _clear_exception(obj)
@@ -183,8 +182,21 @@ def _give_back(roots: Roots, stale: dict, attribution: Attribution, shell: Any,
                 if hasattr(sys, attr):
                     delattr(sys, attr)
     except Exception:
-        namespace.update(removed)  # a part-way failure leaves every user variable in place
+        namespace.update(zip(names, removed))  # a part-way failure leaves every user variable in place
         raise
+
+
+def _delete_names(namespace: dict, shell: Any, names: tuple[str, ...]) -> list[object]:
+    """Delete exactly these variables and the output cache's references to them (as %xdel does)."""
+    removed: list[object] = []
+    try:
+        for name in names:
+            removed.append(namespace.pop(name))
+        _drop_output_refs(removed, shell, namespace)
+    except Exception:
+        namespace.update(zip(names, removed))
+        raise
+    return removed
 
 
 def _drop_output_refs(objects: list[object], shell: Any, namespace: dict) -> None:

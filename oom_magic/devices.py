@@ -55,8 +55,8 @@ class DeviceReading:
 
 
 def available_devices(nvml: Nvml | None = None) -> tuple[str, ...]:
-    """The devices present, as torch names them: ``cuda:N`` for each visible GPU, ``mps``, ``cpu``."""
-    found: list[str] = [f"cuda:{i}" for i in range(_cuda_count(nvml))]
+    """The devices present: ``cuda:N`` for each visible GPU (torch's or NVML's count), ``mps``, ``cpu``."""
+    found: list[str] = [f"cuda:{i}" for i in range(max(_torch_cuda_count(), _nvml_cuda_count(nvml)))]
     torch = loaded_torch()
     if torch is not None and _mps_available(torch):
         found.append("mps")
@@ -65,11 +65,14 @@ def available_devices(nvml: Nvml | None = None) -> tuple[str, ...]:
 
 
 def default_device(nvml: Nvml | None = None) -> str:
-    """The current CUDA device when CUDA is available (decided without a context), else cpu."""
-    if _cuda_count(nvml) == 0:
-        torch = loaded_torch()
-        return "mps" if torch is not None and _mps_available(torch) else "cpu"
+    """Where the user's tensors go by default: the current CUDA device when torch can use one, else mps or cpu.
+
+    Decided without a context: torch's device count when torch is imported, NVML's otherwise.
+    """
     torch = loaded_torch()
+    count = _torch_cuda_count() if torch is not None else _nvml_cuda_count(nvml)
+    if count == 0:
+        return "mps" if torch is not None and _mps_available(torch) else "cpu"
     if torch is not None and cuda_initialized():
         try:
             return f"cuda:{torch.cuda.current_device()}"
@@ -104,14 +107,18 @@ def read_device(device: str, nvml: Nvml | None = None) -> DeviceReading:
     return _read_cpu()
 
 
-def _cuda_count(nvml: Nvml | None) -> int:
+def _torch_cuda_count() -> int:
     torch = loaded_torch()
-    if torch is not None:
-        try:
-            # device_count() asks the driver (or NVML) without creating a context.
-            return int(torch.cuda.device_count())
-        except Exception:
-            return 0
+    if torch is None:
+        return 0
+    try:
+        # device_count() asks the driver (or NVML) without creating a context.
+        return int(torch.cuda.device_count())
+    except Exception:
+        return 0
+
+
+def _nvml_cuda_count(nvml: Nvml | None) -> int:
     nvml = nvml or default_nvml()
     if not nvml.status.available:
         return 0
