@@ -372,41 +372,49 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
                      budget_seconds: float = 0.5) -> dict[int, str]:
     """A short chain of referrer types and keys for tensors nothing named holds."""
     deadline = time.perf_counter() + budget_seconds
-    ours = {id(live.tensors), id(unclaimed), id(sys._getframe())}
-    chains: dict[int, str] = {}
     by_key: dict[int, Any] = {}
     for t in unclaimed:
         by_key.setdefault(live.storage_of[id(t)], t)
-    for key, tensor in sorted(by_key.items(), key=lambda kv: -live.storages[kv[0]].bytes):
+    # Our own containers refer to the tensors too: never report them as holders.
+    ours = {id(live.tensors), id(unclaimed), id(by_key), id(sys._getframe())}
+    chains: dict[int, str] = {}
+    for key in sorted(by_key, key=lambda k: -live.storages[k].bytes):
         if time.perf_counter() > deadline:
             break
-        steps: list[str] = []
-        target: Any = tensor
+        segments: list[str] = []  # innermost first: how each holder reaches the next target
+        base = "<held outside Python (C++ or an untracked object)>"
+        target: Any = by_key[key]
         for _ in range(hops):
             referrers = [r for r in gc.get_referrers(target)
                          if id(r) not in ours and type(r) is not types.FrameType]
             if not referrers:
-                steps.append("(no referrer)")
                 break
             holder = referrers[0]
             ours.add(id(referrers))
-            steps.append(_describe_step(holder, target))
             if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
-                break  # a module's globals: the chain has reached a library global
+                base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
+                break
+            segments.append(_segment(holder, target))
+            base = f"<{type(holder).__qualname__}>"
             target = holder
-        chains[key] = " ← ".join(steps)
+        else:
+            base = f"…<{type(target).__qualname__}>"  # more hops than we follow
+        chains[key] = base + "".join(reversed(segments))
     return chains
 
 
-def _describe_step(holder: Any, target: Any) -> str:
+def _key_of(mapping: dict, target: Any) -> str:
+    return next((str(k) for k, v in list(mapping.items()) if v is target), "?")
+
+
+def _segment(holder: Any, target: Any) -> str:
+    """How ``holder`` refers to ``target``, as a path segment (``['key']``, ``[3]``, ``.attr``)."""
     cls = type(holder)
     if cls is dict:
-        if "__name__" in holder and "__spec__" in holder:
-            name = next((k for k, v in holder.items() if v is target), "?")
-            return f"module {holder['__name__']}.{name}"
         key = next((k for k, v in list(holder.items()) if v is target), None)
-        return f"dict[{key!r}]" if key is not None else "dict (key)"
+        return f"[{key!r}]" if key is not None else "[<key>]"
     if cls in (list, tuple):
-        index = next((i for i, v in enumerate(holder) if v is target), None)
-        return f"{cls.__name__}[{index}]"
-    return cls.__qualname__
+        index = next((i for i, v in enumerate(holder) if v is target), "?")
+        return f"[{index}]"
+    attr = next((k for k, v in list(_instance_dict(holder).items()) if v is target), None)
+    return f".{attr}" if attr is not None else f"→{cls.__qualname__}"

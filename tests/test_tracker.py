@@ -106,3 +106,26 @@ def test_transformers_model_bytes_exact(tmp_path):
     by_path = {paths[_key(p)]: p for p in model.parameters()}
     assert "model.model.layers[1].mlp.up_proj.weight" in by_path
     assert by_path["model.model.layers[1].mlp.up_proj.weight"] is model.model.layers[1].mlp.up_proj.weight
+
+
+def test_library_global_is_other_with_a_python_path(monkeypatch):
+    import sys
+    import types
+
+    import oom_magic
+
+    lib = types.ModuleType("fake_lib")
+    lib.CACHE = {"weights": [torch.ones(256, 256)]}
+    monkeypatch.setitem(sys.modules, "fake_lib", lib)
+
+    class Box:
+        pass
+
+    box = Box()
+    box.inner = {"t": torch.ones(64, 64)}
+    orphan_holder = [box]  # held only by this test's frame: not a user variable, not a module
+    snap = oom_magic.snapshot("cpu", roots=Roots(), find_garbage=False)
+    paths = {g.path: g for g in snap.holders("other")}
+    assert paths["fake_lib.CACHE['weights'][0]"].bytes == 256 * 256 * 4
+    assert any(p.endswith(".inner['t']") for p in paths), paths
+    assert orphan_holder
