@@ -11,16 +11,18 @@ from typing import Any
 # like its function (snapshot, diagnose) never shadows the function on the package.
 from .cleanup import FreeReport, free_stale
 from .devices import DeviceReading, available_devices, read_device
+from .checkpoints import resolve_checkpoint
 from .errors import OomMagicError
+from .estimate import CheckpointEstimate, estimate_checkpoint
 from .oom import OOMMessage, is_out_of_memory, parse_oom_message
 from .snapshot import Snapshot, snapshot
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DeviceReading", "FreeReport", "OOMMessage", "OomMagicError", "Snapshot",
-    "available_devices", "free_stale", "is_out_of_memory", "parse_oom_message", "read_device",
-    "snapshot", "load_ipython_extension", "unload_ipython_extension",
+    "CheckpointEstimate", "DeviceReading", "FreeReport", "OOMMessage", "OomMagicError", "Snapshot",
+    "available_devices", "estimate_checkpoint", "free_stale", "is_out_of_memory", "parse_oom_message", "read_device",
+    "resolve_checkpoint", "snapshot", "load_ipython_extension", "unload_ipython_extension",
 ]
 
 
