@@ -69,8 +69,21 @@ def collect_roots(shell: Any | None = None, namespace: dict | None = None) -> Ro
         user=user,
         output_cache=tuple(_output_cache_roots(shell, namespace)),
         traceback=tuple(_traceback_roots(shell)),
-        containers=(namespace,),
+        containers=(namespace,) + _shell_internals(shell),
     )
+
+
+def _shell_internals(shell: Any | None) -> tuple[object, ...]:
+    """The shell and the parts of it that hold outputs: a user's `ip = get_ipython()` must not
+    make output-cache tensors look user-held by walking through them."""
+    if shell is None:
+        return ()
+    parts = [shell]
+    for name in ("user_ns_hidden", "displayhook", "history_manager", "display_pub", "events"):
+        part = getattr(shell, name, None)
+        if part is not None:
+            parts.append(part)
+    return tuple(parts)
 
 
 def _output_cache_roots(shell: Any | None, namespace: dict) -> list[tuple[str, object]]:

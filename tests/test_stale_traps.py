@@ -185,3 +185,13 @@ except RuntimeError as e:
     assert "err → frame load → local weights" in paths
     freeall(shell)
     assert ok(shell, "err.__traceback__.tb_next.tb_frame.f_locals['weights'].shape") == (256, 1024)
+
+
+def test_a_variable_holding_the_shell_does_not_make_outputs_user_held(shell):
+    ok(shell, "ip = get_ipython()\nx = torch.ones(1024, 1024)")
+    ok(shell, "x")
+    ok(shell, "w = weakref.ref(x); del x")
+    snap = gpumem(shell)
+    assert snap.kind_bytes("output-cache") == 4 * MiB and snap.user_bytes == 0
+    assert freeall(shell).kind_bytes("output-cache") == 4 * MiB
+    assert shell.user_ns["w"]() is None
