@@ -40,8 +40,9 @@ bench: $(VENV)/.test
 	$(BIN)/python benchmarks/run.py
 
 # On a machine with one NVIDIA GPU: the CUDA suite, summary table and JSON in $(OOM_MAGIC_GPU_OUT).
-gpu-check: $(VENV)/.test
-	$(BIN)/python -m pytest tests/gpu -m gpu -q -p no:cacheprovider
+# Installs nothing (GPU machines may be offline): the script names any missing package; no GPU: skipped, exit 0.
+gpu-check: $(BIN)/python
+	$(BIN)/python scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) notebooks/*.executed.ipynb .pytest_cache

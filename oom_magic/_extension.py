@@ -1,4 +1,10 @@
-"""Load and unload the extension: register exactly what unload removes."""
+"""Load and unload the extension: register exactly what unload removes.
+
+Loading registers the magics (``OomMagics``) and the after-cell hooks of its ``CellWatch``
+(``pre_run_cell`` and ``post_run_cell``, the same callable objects each time). Loading again is
+harmless; unloading unregisters exactly those callbacks, freezes and closes every widget the
+hooks displayed, and removes the magics.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -10,19 +16,33 @@ _REGISTRY_NAME = "OomMagics"
 
 
 def load(shell: InteractiveShell) -> None:
-    """Register the magics once; loading again is harmless."""
+    """Register the magics and the after-cell hooks once; loading again is harmless."""
     from .magics import OomMagics
 
     if _REGISTRY_NAME in shell.magics_manager.registry:
         return
-    shell.register_magics(OomMagics(shell))
+    magics = OomMagics(shell)
+    shell.register_magics(magics)
+    watch = getattr(magics, "cell_watch", None)
+    if watch is None:
+        return
+    for event, callback in watch.callbacks().items():
+        if callback not in shell.events.callbacks[event]:
+            shell.events.register(event, callback)
+    watch.activate()
 
 
 def unload(shell: InteractiveShell) -> None:
-    """Remove the magics this extension registered, and nothing else."""
+    """Remove the hooks, widgets and magics this extension registered, and nothing else."""
     magics = shell.magics_manager.registry.pop(_REGISTRY_NAME, None)
     if magics is None:
         return
+    watch = getattr(magics, "cell_watch", None)
+    if watch is not None:
+        for event, callback in watch.callbacks().items():
+            while callback in shell.events.callbacks[event]:
+                shell.events.unregister(event, callback)
+        watch.close()
     for kind, table in magics.magics.items():
         registered = shell.magics_manager.magics.get(kind, {})
         for name in table:

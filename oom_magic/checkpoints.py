@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 
 from .errors import OomMagicError
 
-__all__ = ["CheckpointFiles", "find_checkpoint_files", "hub_cache_dir", "resolve_checkpoint"]
+__all__ = ["CheckpointFiles", "find_checkpoint_files", "hub_cache_dir", "one_line", "resolve_checkpoint"]
 
 # A hub id: "name" or "org/name" (letters, digits, '-', '_', '.'), as the hub allows.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
@@ -59,14 +59,26 @@ def resolve_checkpoint(path_or_id: str | os.PathLike[str]) -> Path:
     A local path wins over a hub id of the same spelling, as in transformers. A hub id resolves
     to the snapshot ``refs/main`` names, or to the only snapshot when ``refs/main`` is missing.
     """
-    text = os.fspath(path_or_id)
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(path_or_id, (str, bytes, os.PathLike)):
+        raise OomMagicError(f"a checkpoint is a path (str or pathlib.Path) or a hub id such as 'org/name', "
+                            f"not a {type(path_or_id).__name__}")
+    try:
+        text = os.fsdecode(path_or_id)
+    except Exception as exc:  # a PathLike whose __fspath__ fails or returns a non-path
+        raise OomMagicError(f"cannot read the checkpoint path ({type(exc).__name__}: {one_line(str(exc))}): "
+                            "pass a str or a pathlib.Path") from None
+    if not text.strip():
         raise OomMagicError("empty checkpoint path: pass a file, a folder or a hub id such as 'org/name'")
-    local = Path(text).expanduser()
-    if local.exists():
+    try:
+        local = Path(text).expanduser()
+        exists = local.exists()
+    except (OSError, ValueError, RuntimeError) as exc:  # too long, an embedded NUL, "~nosuchuser"
+        detail = getattr(exc, "strerror", None) or str(exc)
+        raise OomMagicError(f"cannot use {one_line(text)} as a path ({one_line(detail)})") from None
+    if exists:
         return local.absolute()
     if not _HUB_ID.match(text):
-        raise OomMagicError(f"no such file or folder: {text}")
+        raise OomMagicError(f"no such file or folder: {one_line(text)}")
     cache = hub_cache_dir()
     repo_dir = cache / ("models--" + text.replace("/", "--"))
     snapshot = _cached_snapshot(repo_dir)
@@ -76,6 +88,15 @@ def resolve_checkpoint(path_or_id: str | os.PathLike[str]) -> Path:
             f"snapshot of it at {repo_dir} (set HF_HUB_CACHE or HF_HOME, or pass a local folder)"
         )
     return snapshot
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """An outside string (a file name, a path) fit for a one-line message: control characters
+    and lone surrogates escaped, cut to ``limit`` characters."""
+    text = str(text)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _cached_snapshot(repo_dir: Path) -> Path | None:

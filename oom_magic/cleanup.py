@@ -15,7 +15,7 @@ from .devices import DeviceReading, read_device, resolve_device
 from .errors import OomMagicError
 from .holders import STALE_KINDS, TRACEBACK, Attribution, attribute
 from .nvml import Nvml
-from .roots import Roots, collect_roots, current_shell, variable_path
+from .roots import Roots, collect_roots, current_shell, is_user_name, variable_path
 from .tracker import LiveTensors, StorageRecord, find_tensors, tensor_types
 
 
@@ -79,6 +79,10 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         shell = current_shell()
     if namespace is None:
         namespace = getattr(shell, "user_ns", None) or sys.modules["__main__"].__dict__
+    ipython_own = [n for n in names if not is_user_name(n)]
+    if ipython_own:
+        raise OomMagicError(f"{', '.join(map(repr, ipython_own))}: IPython's own name, not a variable of yours; "
+                            "nothing was deleted (%freeall without names frees what the output cache holds)")
     missing = [n for n in names if n not in namespace]
     if missing:
         raise OomMagicError(f"no variable named {', '.join(map(repr, missing))}: nothing was deleted "

@@ -86,6 +86,11 @@ def resolve_device(spec: str | None, nvml: Nvml | None = None) -> str:
     if spec is None or str(spec).strip() == "":
         return default_device(nvml)
     text = str(spec).strip().lower()
+    wants_cuda = text.startswith(("cuda", "gpu")) or text.isdigit()
+    if wants_cuda:
+        nvml = nvml or default_nvml()
+        if nvml.status.available:
+            nvml.clear_errors()  # the message below names only this lookup's failures
     present = available_devices(nvml)
     if text == "cuda" or text == "gpu":
         cuda = [d for d in present if d.startswith("cuda")]
@@ -95,7 +100,22 @@ def resolve_device(spec: str | None, nvml: Nvml | None = None) -> str:
         return f"cuda:{text}"
     elif text in present:
         return text
-    raise OomMagicError(f"unknown device {spec!r}: this machine has {', '.join(present)}")
+    message = f"unknown device {spec!r}: this machine has {', '.join(present)}"
+    if wants_cuda and not any(d.startswith("cuda") for d in present):
+        why = _no_cuda_reason(nvml)
+        if why:
+            message += f" (no CUDA device found: {why})"
+    raise OomMagicError(message)
+
+
+def _no_cuda_reason(nvml: Nvml | None) -> str | None:
+    """Why NVML lists no GPU (not started, or a call failed), for the unknown-device message."""
+    nvml = nvml or default_nvml()
+    status = nvml.status
+    if not status.available:
+        return f"NVML unavailable: {status.reason}"
+    failed = nvml.errors_text()
+    return f"NVML failed: {failed}" if failed else None
 
 
 def read_device(device: str, nvml: Nvml | None = None) -> DeviceReading:
@@ -194,11 +214,16 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
     others: tuple[ProcessInfo, ...] = ()
     status = nvml.status
     if status.available:
+        nvml.clear_errors()
         dev: NvmlDevice | None = nvml_device_for_torch(nvml, index, pci_bus_id)
+        failed = nvml.errors_text()
         if dev is None:
-            notes.append(f"NVML has no device matching cuda:{index} (check CUDA_VISIBLE_DEVICES)")
+            notes.append(f"NVML has no device matching cuda:{index} (check CUDA_VISIBLE_DEVICES)"
+                         + (f"; NVML failed: {failed}" if failed else ""))
         else:
             name, total, free, used = dev.name, dev.total, dev.free, dev.used
+            if failed:
+                notes.append(f"NVML could not read all of cuda:{index} ({failed}): what it did not give shows n/a")
             described = describe_processes(nvml.processes(dev), self_pid=os.getpid())
             if nvml.processes_note:
                 notes.append(nvml.processes_note)

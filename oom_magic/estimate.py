@@ -27,6 +27,7 @@ from typing import BinaryIO, NamedTuple
 from .checkpoints import (
     CheckpointFiles,
     find_checkpoint_files,
+    one_line,
     read_config,
     resolve_checkpoint,
     sniff_format,
@@ -178,6 +179,16 @@ def estimate_checkpoint(
     CheckpointEstimate.bytes_for. Raises OomMagicError, one line naming the file, for anything
     that is missing, malformed or not a checkpoint.
     """
+    try:
+        return _estimate(path_or_id, dtype)
+    except OomMagicError as exc:
+        message = str(exc)
+        if one_line(message, limit=1000) != message:  # a file name with a newline in it, say
+            raise OomMagicError(one_line(message, limit=1000)) from None
+        raise
+
+
+def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None) -> CheckpointEstimate:
     found = find_checkpoint_files(resolve_checkpoint(path_or_id))
     declared = _declared_dtype(found)
     request = None if dtype is None else str(dtype)

@@ -12,9 +12,7 @@ import sys
 import time
 import types
 import weakref
-from collections import deque
 from dataclasses import dataclass
-from itertools import compress
 from typing import Any, Iterator
 
 from .roots import Roots
@@ -53,6 +51,17 @@ class Attribution:
     user_reachable: frozenset[int]  # ids of objects reachable from user variables
 
 
+# How a child hangs off its parent, rendered into path text only for the tensors found: building
+# every visited object's path string cost more than the rest of the walk.
+_ROOT, _SUFFIX, _INDEX, _KEY, _KEYPOS, _ATTR, _MODATTR = range(7)
+# What the walk does with an object, decided once per class (first match, as listed).
+(_TENSOR, _DICT, _LIST, _TUPLE, _SET, _FROZENSET, _LEAF, _FUNCTION, _METHOD, _TRACEBACK, _FRAME,
+ _EXCEPTION, _LRU_CACHE, _CELL, _NN_MODULE, _OBJECT) = range(16)
+
+# A queue entry: (object, parent entry, step kind, step data, step index); roots have no parent.
+_Entry = tuple
+
+
 class _Walk:
     """Breadth-first walk from named roots; the first path reaching a storage wins."""
 
@@ -61,89 +70,152 @@ class _Walk:
         self.storage_of = live.storage_of
         self.tensor_types = tensor_types
         self.module_type = getattr(getattr(torch, "nn", None), "Module", None)
-        self.holders: dict[int, Holder] = {}
+        self.found: dict[int, tuple[str, _Entry]] = {}  # storage key -> (kind, entry of its first tensor)
         self.visited: set[int] = {id(o) for o in skip}
-        self.tensor_paths: dict[int, str] = {}
+        self.tensor_entries: dict[int, _Entry] = {}  # id(tensor) -> its first entry (names dict keys)
         self.nodes = 0
         self.budget_nodes = budget_nodes
         self.deadline = deadline
         self.complete = True
+        self._kinds: dict[type, int] = {}
+        self._slots: dict[type, tuple[str, ...]] = {}
 
     def run(self, kind: str, roots: tuple[tuple[str, object], ...]) -> None:
-        queue: deque[tuple[object, str, str]] = deque((obj, name, name) for name, obj in roots)
-        while queue:
-            obj, path, root = queue.popleft()
-            if id(obj) in self.visited:
-                continue
-            self.visited.add(id(obj))
-            self.nodes += 1
-            if self.nodes >= self.budget_nodes or (self.nodes & 1023 == 0 and time.perf_counter() > self.deadline):
-                self.complete = False
-                return
-            cls = type(obj)
-            if cls in self.tensor_types:
-                key = self.storage_of.get(id(obj))
-                self.tensor_paths.setdefault(id(obj), path)
-                if key is not None and key not in self.holders:
-                    self.holders[key] = Holder(kind, path, root)
-            for child, child_path in self._children(obj, cls, path):
-                if id(child) not in self.visited:
-                    queue.append((child, child_path, root))
+        # Level by level in FIFO order: the same order as a queue, with fewer operations per object.
+        level: list[_Entry] = [(obj, None, _ROOT, name, 0) for name, obj in roots]
+        visited, storage_of, found = self.visited, self.storage_of, self.found
+        kinds, atomic = self._kinds, _ATOMIC
+        nodes, budget, deadline = self.nodes, self.budget_nodes, self.deadline
+        while level:
+            following: list[_Entry] = []
+            push = following.append
+            for entry in level:
+                obj = entry[0]
+                oid = id(obj)
+                if oid in visited:
+                    continue
+                visited.add(oid)
+                nodes += 1
+                if nodes >= budget or (nodes & 1023 == 0 and time.perf_counter() > deadline):
+                    self.nodes = nodes
+                    self.complete = False
+                    return
+                cls = type(obj)
+                what = kinds.get(cls)
+                if what is None:
+                    what = kinds[cls] = self._classify(cls)
+                # Children are queued without a visited test: the test at pop time decides, and
+                # the first occurrence in queue order still wins.
+                try:
+                    if what is _DICT:
+                        for i, (key, value) in enumerate(list(dict.items(obj))):
+                            if type(key) not in atomic:
+                                push((key, entry, _KEYPOS, i, 0))
+                            if type(value) not in atomic:
+                                push((value, entry, _KEY, key, i))
+                    elif what is _LIST or what is _TUPLE:
+                        items = list.__iter__(obj) if what is _LIST else tuple.__iter__(obj)
+                        items = list(items)
+                        if not all(map(atomic.__contains__, map(type, items))):
+                            for i, item in enumerate(items):
+                                if type(item) not in atomic:
+                                    push((item, entry, _INDEX, i, 0))
+                    elif what is _OBJECT:
+                        for name, value in list(_instance_dict(obj).items()):
+                            if type(value) not in atomic:
+                                push((value, entry, _ATTR, name, 0))
+                        slots = self._slots.get(cls)
+                        if slots is None:
+                            slots = self._slots[cls] = _slot_names(cls)
+                        for slot in slots:
+                            try:
+                                push((object.__getattribute__(obj, slot), entry, _ATTR, slot, 0))
+                            except Exception:
+                                continue
+                    elif what is _LEAF:
+                        pass
+                    elif what is _NN_MODULE:
+                        for child, step, data in _module_children(obj):
+                            push((child, entry, step, data, 0))
+                    elif what is _TENSOR:
+                        self.tensor_entries.setdefault(oid, entry)
+                        key = storage_of.get(oid)
+                        if key is not None and key not in found:
+                            found[key] = (kind, entry)
+                        # .grad on a non-leaf warns; only leaves carry a user-visible gradient.
+                        if obj.is_leaf:
+                            grad = obj.grad
+                            if grad is not None:
+                                push((grad, entry, _SUFFIX, ".grad", 0))
+                        for name, value in list(_instance_dict(obj).items()):
+                            push((value, entry, _ATTR, name, 0))
+                    else:
+                        for child, suffix in self._other_children(obj, what):
+                            push((child, entry, _SUFFIX, suffix, 0))
+                except Exception:
+                    # A hostile or half-built object: walk what we got, skip the rest.
+                    pass
+            level = following
+        self.nodes = nodes
 
-    def _children(self, obj: Any, cls: type, path: str) -> Iterator[tuple[object, str]]:
+    def _classify(self, cls: type) -> int:
+        """Which branch of the walk handles instances of ``cls`` (checked in this order)."""
         try:
             if cls in self.tensor_types:
-                yield from _tensor_children(obj, path)
-            elif cls is dict or (issubclass(cls, dict)):
-                yield from self._dict_children(obj, path)
-            elif cls is list or cls is tuple or issubclass(cls, (list, tuple)):
-                seq = list.__iter__(obj) if issubclass(cls, list) else tuple.__iter__(obj)
-                for i, item in enumerate(seq):
-                    if type(item) not in _ATOMIC:
-                        yield item, f"{path}[{i}]"
-            elif issubclass(cls, (set, frozenset)):
-                for i, item in enumerate(set.__iter__(obj) if issubclass(cls, set) else frozenset.__iter__(obj)):
-                    if type(item) not in _ATOMIC:
-                        yield item, f"{path}{{#{i}}}"
-            elif cls in _ATOMIC or cls in _NEVER_DESCEND or issubclass(cls, type):
-                return
-            elif cls is types.FunctionType:
-                yield from _function_children(obj, path)
-            elif cls is types.MethodType:
-                yield obj.__self__, path + ".__self__"
-            elif cls is types.TracebackType:
-                yield from _traceback_children(obj, path)
-            elif cls is types.FrameType:
-                yield from _frame_children(obj, path)
-            elif issubclass(cls, BaseException):
-                yield from _exception_children(obj, path)
-            elif cls.__name__ == "_lru_cache_wrapper":
-                for i, ref in enumerate(gc.get_referents(obj)):
-                    if type(ref) is dict:
-                        yield ref, f"{path}.cache"
-                wrapped = _instance_dict(obj).get("__wrapped__")
-                if wrapped is not None:
-                    yield wrapped, f"{path}.__wrapped__"
-            elif cls.__name__ == "cell":
-                yield obj.cell_contents, path
-            elif self.module_type is not None and issubclass(cls, self.module_type):
-                yield from _module_children(obj, path)
-            else:
-                yield from _object_children(obj, cls, path)
+                return _TENSOR
+            if cls is dict or issubclass(cls, dict):
+                return _DICT
+            if cls is list or cls is tuple or issubclass(cls, (list, tuple)):
+                return _LIST if issubclass(cls, list) else _TUPLE
+            if issubclass(cls, (set, frozenset)):
+                return _SET if issubclass(cls, set) else _FROZENSET
+            if cls in _ATOMIC or cls in _NEVER_DESCEND or issubclass(cls, type):
+                return _LEAF
+            if cls is types.FunctionType:
+                return _FUNCTION
+            if cls is types.MethodType:
+                return _METHOD
+            if cls is types.TracebackType:
+                return _TRACEBACK
+            if cls is types.FrameType:
+                return _FRAME
+            if issubclass(cls, BaseException):
+                return _EXCEPTION
+            if cls.__name__ == "_lru_cache_wrapper":
+                return _LRU_CACHE
+            if cls.__name__ == "cell":
+                return _CELL
+            if self.module_type is not None and issubclass(cls, self.module_type):
+                return _NN_MODULE
+            return _OBJECT
         except Exception:
-            # A hostile or half-built object: walk what we got, skip the rest.
-            return
+            return _LEAF  # a class that cannot be inspected safely: do not descend
 
-    def _dict_children(self, obj: dict, path: str) -> Iterator[tuple[object, str]]:
-        items = list(dict.items(obj))
-        values = [v for _, v in items]
-        keep = list(map(_ATOMIC.__contains__, map(type, values)))
-        for i, ((key, value), atomic) in enumerate(zip(items, keep)):
-            key_text = self._key_text(key, i)
-            if type(key) not in _ATOMIC:
-                yield key, f"{path}.keys()[{i}]"
-            if not atomic:
-                yield value, f"{path}[{key_text}]"
+    def _other_children(self, obj: Any, what: int) -> Iterator[tuple[object, str]]:
+        """Children of the less common kinds, with the path text each adds."""
+        if what is _SET or what is _FROZENSET:
+            for i, item in enumerate(set.__iter__(obj) if what is _SET else frozenset.__iter__(obj)):
+                if type(item) not in _ATOMIC:
+                    yield item, f"{{#{i}}}"
+        elif what is _FUNCTION:
+            yield from _function_children(obj)
+        elif what is _METHOD:
+            yield obj.__self__, ".__self__"
+        elif what is _TRACEBACK:
+            yield from _traceback_children(obj)
+        elif what is _FRAME:
+            yield from _frame_children(obj)
+        elif what is _EXCEPTION:
+            yield from _exception_children(obj)
+        elif what is _LRU_CACHE:
+            for ref in gc.get_referents(obj):
+                if type(ref) is dict:
+                    yield ref, ".cache"
+            wrapped = _instance_dict(obj).get("__wrapped__")
+            if wrapped is not None:
+                yield wrapped, ".__wrapped__"
+        elif what is _CELL:
+            yield obj.cell_contents, ""
 
     def _key_text(self, key: object, index: int) -> str:
         if type(key) in (str, int, float, bool, type(None)):
@@ -153,14 +225,64 @@ class _Walk:
             return f"\x00{id(key)}:{index}\x00"
         return f"<key #{index}>"
 
+    def _path(self, entry: _Entry, rendered: dict[int, tuple[str, str]]) -> tuple[str, str]:
+        """The entry's path text and root name; prefixes shared by many tensors are rendered once."""
+        chain = [entry]
+        node = entry
+        while True:
+            parent = node[1]
+            if parent is None:  # a root: its name is the path
+                chain.pop()
+                path = root = node[3]
+                break
+            known = rendered.get(id(parent))
+            if known is not None:
+                path, root = known
+                break
+            chain.append(parent)
+            node = parent
+        key_text = self._key_text
+        for node in reversed(chain):
+            _, _, step, data, index = node
+            if step is _KEY:
+                try:
+                    path += f"[{key_text(data, index)}]"
+                except Exception:  # a key whose repr fails (an int too long to print)
+                    path += f"[<key #{index}>]"
+            elif step is _INDEX:
+                path += f"[{data}]"
+            elif step is _ATTR:
+                path += f".{data}"
+            elif step is _MODATTR:
+                path += f"[{data}]" if isinstance(data, str) and data.isdigit() else f".{data}"
+            elif step is _KEYPOS:
+                path += f".keys()[{data}]"
+            else:
+                path += data
+            if node is not entry:
+                rendered[id(node)] = (path, root)
+        return path, root
+
     def named_paths(self) -> dict[int, Holder]:
         """Holders with tensor dict keys shown by their path (``opt.state[model.fc.weight]``)."""
+        rendered: dict[int, tuple[str, str]] = {}
+
         def name(match: re.Match) -> str:
-            path = self.tensor_paths.get(int(match.group(1)))
+            entry = self.tensor_entries.get(int(match.group(1)))
+            path = self._path(entry, rendered)[0] if entry is not None else None
             return path if path is not None and "\x00" not in path else f"<key #{match.group(2)}>"
 
-        return {k: Holder(h.kind, _KEY_MARK.sub(name, h.path), h.root) if "\x00" in h.path else h
-                for k, h in self.holders.items()}
+        result: dict[int, Holder] = {}
+        for key, (kind, entry) in self.found.items():
+            path, root = self._path(entry, rendered)
+            if "\x00" in path:
+                path = _KEY_MARK.sub(name, path)
+            result[key] = Holder(kind, path, root)
+        # The entries hold the walked objects: drop them before anything counts references.
+        self.found.clear()
+        self.tensor_entries.clear()
+        rendered.clear()
+        return result
 
 
 def _instance_dict(obj: object) -> dict:
@@ -171,90 +293,71 @@ def _instance_dict(obj: object) -> dict:
     return d if type(d) is dict else {}
 
 
-def _tensor_children(tensor: Any, path: str) -> Iterator[tuple[object, str]]:
-    # .grad on a non-leaf warns; only leaves carry a user-visible gradient.
-    if tensor.is_leaf:
-        grad = tensor.grad
-        if grad is not None:
-            yield grad, path + ".grad"
-    for name, value in list(_instance_dict(tensor).items()):
-        yield value, f"{path}.{name}"
+def _slot_names(cls: type) -> tuple[str, ...]:
+    """Every ``__slots__`` name along the class's MRO, in MRO order."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        if isinstance(slots, (tuple, list)):
+            names.extend(slots)
+    return tuple(names)
 
 
-def _attr(path: str, name: object) -> str:
-    if isinstance(name, str) and name.isdigit():
-        return f"{path}[{name}]"
-    return f"{path}.{name}"
-
-
-def _module_children(module: Any, path: str) -> Iterator[tuple[object, str]]:
+def _module_children(module: Any) -> Iterator[tuple[object, int, object]]:
     attrs = _instance_dict(module)
     for group in _MODULE_CHILD_DICTS:
         children = attrs.get(group)
         if type(children) is dict:
             for name, value in list(children.items()):
                 if value is not None:
-                    yield value, _attr(path, name)
+                    yield value, _MODATTR, name
     for name, value in list(attrs.items()):
         if name not in _MODULE_CHILD_DICTS and type(value) not in _ATOMIC and not (
             isinstance(name, str) and name.startswith("_") and name.endswith("hooks")
         ):
-            yield value, f"{path}.{name}"
+            yield value, _ATTR, name
 
 
-def _object_children(obj: object, cls: type, path: str) -> Iterator[tuple[object, str]]:
-    for name, value in list(_instance_dict(obj).items()):
-        if type(value) not in _ATOMIC:
-            yield value, f"{path}.{name}"
-    for klass in cls.__mro__:
-        for slot in klass.__dict__.get("__slots__", ()) if isinstance(klass.__dict__.get("__slots__", ()), (tuple, list)) else ():
-            try:
-                value = object.__getattribute__(obj, slot)
-            except Exception:
-                continue
-            yield value, f"{path}.{slot}"
-
-
-def _function_children(func: types.FunctionType, path: str) -> Iterator[tuple[object, str]]:
+def _function_children(func: types.FunctionType) -> Iterator[tuple[object, str]]:
     for i, cell in enumerate(func.__closure__ or ()):
         try:
-            yield cell.cell_contents, f"{path}.__closure__[{i}]"
+            yield cell.cell_contents, f".__closure__[{i}]"
         except ValueError:  # an empty cell
             continue
     for i, value in enumerate(func.__defaults__ or ()):
-        yield value, f"{path}.__defaults__[{i}]"
+        yield value, f".__defaults__[{i}]"
     for name, value in (func.__kwdefaults__ or {}).items():
-        yield value, f"{path}.__kwdefaults__[{name!r}]"
+        yield value, f".__kwdefaults__[{name!r}]"
     wrapped = func.__dict__.get("__wrapped__")
     if wrapped is not None:
-        yield wrapped, f"{path}.__wrapped__"
+        yield wrapped, ".__wrapped__"
 
 
-def _traceback_children(tb: types.TracebackType, path: str) -> Iterator[tuple[object, str]]:
+def _traceback_children(tb: types.TracebackType) -> Iterator[tuple[object, str]]:
     while tb is not None:
-        yield tb.tb_frame, path
+        yield tb.tb_frame, ""
         tb = tb.tb_next
 
 
-def _frame_children(frame: types.FrameType, path: str) -> Iterator[tuple[object, str]]:
+def _frame_children(frame: types.FrameType) -> Iterator[tuple[object, str]]:
     # A module-level frame's locals are the user's (or a library's) globals: walked elsewhere.
     if frame.f_code.co_flags & 0x1 == 0:  # CO_OPTIMIZED unset: module or class body
         return
     for name, value in list(frame.f_locals.items()):
-        yield value, f"{path} → frame {frame.f_code.co_name} → local {name}"
+        yield value, f" → frame {frame.f_code.co_name} → local {name}"
 
 
-def _exception_children(exc: BaseException, path: str) -> Iterator[tuple[object, str]]:
+def _exception_children(exc: BaseException) -> Iterator[tuple[object, str]]:
     if exc.__traceback__ is not None:
-        yield exc.__traceback__, path
+        yield exc.__traceback__, ""
     for i, arg in enumerate(exc.args):
-        yield arg, f"{path}.args[{i}]"
+        yield arg, f".args[{i}]"
     if exc.__cause__ is not None:
-        yield exc.__cause__, f"{path}.__cause__"
+        yield exc.__cause__, ".__cause__"
     if exc.__context__ is not None:
-        yield exc.__context__, f"{path}.__context__"
+        yield exc.__context__, ".__context__"
     for name, value in list(_instance_dict(exc).items()):
-        yield value, f"{path}.{name}"
+        yield value, f".{name}"
 
 
 def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,

@@ -5,9 +5,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Int
+from traitlets import Bool, CaselessStrEnum, Int, Unicode
 
 from .cleanup import FreeReport, free_stale
 from .errors import OomMagicError
@@ -17,25 +17,76 @@ from .snapshot import Snapshot, snapshot
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
+    from .guard import GuardReport
+    from .render.plot import Timeline
+    from .watch import WatchStatus
+
 
 @magics_class
 class OomMagics(Magics):
     """%gpumem, %freeall (and, with later modules, %%guardload)."""
 
     top = Int(10, help="How many holders %gpumem lists when --top is not given.").tag(config=True)
+    auto_display = CaselessStrEnum(
+        ("changes", "always", "off"), default_value="changes",
+        help="The memory widget after each cell: 'changes' under cells that changed device memory by at least "
+             "the threshold (or ran out of memory), 'always' under every cell, 'off' never (%gpumem --auto MODE).",
+    ).tag(config=True)
+    gpu_change_threshold = Int(1 << 20, help="Bytes a GPU's allocated or reserved memory must move in one cell "
+                                             "for the widget to show (default 1 MiB).").tag(config=True)
+    cpu_change_threshold = Int(16 << 20, help="Bytes the process's resident set, or the tensors bound to your "
+                                              "variables, must move in one cell on cpu for the widget to show "
+                                              "(default 16 MiB).").tag(config=True)
+    live_widgets = Int(8, help="How many per-cell memory widgets stay live; older ones are frozen to static "
+                               "HTML and their widget models closed. 0 shows static HTML only.").tag(config=True)
+    history_length = Int(10_000, help="How many cells the %gpumem --plot timeline keeps (oldest dropped first); "
+                                      "read when the extension loads.").tag(config=True)
+    guard_raise = Bool(True, help="After an out-of-memory error, %%guardload raises a short exception of the "
+                                  "original type (so 'Run All' stops); False only prints the forensics and "
+                                  "returns the report.").tag(config=True)
+    expandable_segments = Bool(True, help="%%guardload sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                                          "for this process while CUDA is not yet initialized, never over your own "
+                                          "expandable_segments setting (in PYTORCH_ALLOC_CONF or "
+                                          "PYTORCH_CUDA_ALLOC_CONF); --no-expandable skips it for one cell.").tag(config=True)
+    guard_headroom = Unicode("5%", help="Memory %%guardload keeps free on the target device in its fit check and "
+                                        "retry decision: a size such as 2GiB, or a percentage of the device's "
+                                        "capacity such as 5%; --headroom overrides it for one cell.").tag(config=True)
 
     def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
+        from .widget import CellWatch
+
+        # The after-cell hooks; _extension registers its callbacks and unload closes it.
+        self.cell_watch = CellWatch(shell, self)
 
     @magic_arguments()
     @argument("--device", "-d", default=None, help="Device to show: cuda, cuda:N, cpu or mps (default: the current CUDA device, else cpu).")
     @argument("--top", "-n", type=int, default=None, help="How many holders to list (default: OomMagics.top).")
     @argument("--all", "-a", action="store_true", help="List every holder, not only the top N.")
     @argument("--json", action="store_true", help="Show the snapshot as JSON instead of a table.")
+    @argument("--auto", default=None, choices=("changes", "always", "off"), type=str.lower,
+              help="The memory widget after each cell: under cells that changed memory (changes), under every "
+                   "cell (always) or never (off); also turns the check back on after an error. "
+                   "Sets OomMagics.auto_display; returns the settings.")
+    @argument("--pin", action="store_true",
+              help="Show one live memory widget here that updates after every cell that changes memory, "
+                   "instead of one widget per cell (--auto MODE goes back to per-cell widgets).")
+    @argument("--plot", nargs="?", const="", default=None, metavar="PATH",
+              help="Plot allocated, reserved and per-cell peak memory over the executed cells (out-of-memory "
+                   "cells marked, %%%%guardload cells labelled); save a PNG to PATH when given; returns the Timeline.")
     @line_magic
-    def gpumem(self, line: str = "") -> Snapshot:
-        """Show what uses a device's memory and which variable holds it; returns the Snapshot."""
+    def gpumem(self, line: str = "") -> Snapshot | WatchStatus | Timeline:
+        """Show what uses a device's memory and which variable holds it; returns the Snapshot.
+
+        With --auto, --pin or --plot it sets up the memory widget shown after cells, or plots the
+        memory timeline, instead (returning the settings, or the Timeline).
+        """
         args = parse_argstring(self.gpumem, line)
+        if args.auto is not None or args.pin or args.plot is not None:
+            try:
+                return self.cell_watch.command(auto=args.auto, pin=args.pin, plot=args.plot, device=args.device)
+            except OomMagicError as exc:
+                raise UsageError(str(exc)) from None
         top = 0 if args.all else (args.top if args.top is not None else self.top)
         if top < 0:
             raise UsageError(f"--top must be 0 or more, not {top}")
@@ -57,3 +108,82 @@ class OomMagics(Magics):
             return free_stale(args.device, names=args.names, dry_run=args.dry_run, shell=self.shell)
         except OomMagicError as exc:
             raise UsageError(str(exc)) from None
+
+    @magic_arguments()
+    @argument("--device", "-d", default=None, help="Device to guard and measure: cuda, cuda:N, cpu or mps (default: where the cell's load puts its weights, else the current CUDA device, else cpu).")
+    @argument("--retry", type=int, default=0, metavar="N", help="On out-of-memory, run the cell again, at most N times, when the diagnosis says the same load fits now (default 0).")
+    @argument("--strict", action="store_true", help="Do not run the cell when the preflight says the load will not fit (UsageError with the shortfall and an option that fits).")
+    @argument("--headroom", default=None, metavar="SIZE", help="Memory to keep free on the device: a size such as 2GiB or a percentage of its capacity such as 5%% (default: OomMagics.guard_headroom).")
+    @argument("--snapshot", default=None, metavar="PATH", help="CUDA only: record allocator history during the cell and, on out-of-memory, write it to PATH (a file or a folder) for https://pytorch.org/memory_viz.")
+    @argument("--no-cleanup", action="store_true", help="Do not free stale memory (output cache, stored tracebacks, garbage) before the cell.")
+    @argument("--no-expandable", action="store_true", help="Do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA initializes.")
+    @argument("--quiet", "-q", action="store_true", help="Print only warnings and out-of-memory forensics; the report is still returned.")
+    @cell_magic
+    def guardload(self, line: str = "", cell: str | None = None) -> GuardReport | None:
+        """Guard a model-load cell: free stale memory, check the fit, run it, recover from out-of-memory.
+
+        Returns the GuardReport (delta, peak, time, new variables); on out-of-memory prints the
+        traceback, gives back what the failed load left, diagnoses it and raises a short exception.
+        """
+        __tracebackhide__ = True
+        from .guard import GuardedLoad, compile_cell
+        from .preflight import load_target, parse_headroom, preflight_check
+
+        args = parse_argstring(self.guardload, line)
+        if cell is None or not cell.strip():
+            raise UsageError("%%guardload needs a cell body: put the code that loads the model below the magic line")
+        if args.retry < 0:
+            raise UsageError(f"--retry must be 0 or more, not {args.retry}")
+        headroom = args.headroom if args.headroom is not None else self.guard_headroom
+        try:
+            parse_headroom(headroom, 0)
+        except OomMagicError as exc:
+            raise UsageError(str(exc)) from None
+        body, source = compile_cell(self.shell, cell)  # a SyntaxError shows as it would without the magic
+        namespace = self.shell.user_ns
+        guard = GuardedLoad(
+            args.device, args.retry, cleanup=not args.no_cleanup,
+            expandable_segments=self.expandable_segments and not args.no_expandable, snapshot=args.snapshot,
+            headroom=headroom, quiet=args.quiet, raise_on_oom=self.guard_raise, strict=args.strict,
+            preflight=lambda: preflight_check(source, namespace, device=args.device, headroom=headroom),
+            shell=self.shell, namespace=namespace, format_traceback=self._guard_traceback, label="%%guardload",
+            device_hint=load_target(source, namespace))
+        try:
+            guard.begin()
+        except OomMagicError as exc:  # an unknown --device, or --strict refusing
+            raise UsageError(str(exc)) from None
+        try:
+            value = guard.run(body)
+        finally:
+            self._guard_mark(guard)
+        if value is not None:
+            from IPython.display import display
+
+            display(value)
+        return guard.report
+
+    def _guard_traceback(self, exc: BaseException) -> str:
+        """The error as IPython prints it, without the guard's own frames."""
+        tb = exc.__traceback__
+        while tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("oom_magic."):
+            tb = tb.tb_next
+        formatter = self.shell.InteractiveTB
+        try:
+            return formatter.stb2text(formatter.structured_traceback(type(exc), exc, tb))
+        except Exception:
+            import traceback
+
+            return "".join(traceback.format_exception(type(exc), exc, tb))
+        finally:
+            formatter.tb = None  # the formatter keeps the last traceback: that would keep the frames
+
+    @staticmethod
+    def _guard_mark(guard: object) -> None:
+        """Label the cell on the %gpumem timeline (and flag an out-of-memory the guard caught)."""
+        report = getattr(guard, "report", None)
+        try:
+            from .watch import mark_cell
+
+            mark_cell("%%guardload", oom=report is not None and report.outcome == "oom")
+        except Exception:
+            pass

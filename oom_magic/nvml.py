@@ -184,6 +184,8 @@ class Nvml:
         self._started = False
         self._status = NvmlStatus(available=False, reason="NVML not started", driver_version=None)
         self.last_error: str | None = None  # one line: the latest NVML call that failed, and why
+        # Failed calls since clear_errors(), one line per function (at most one per NVML function).
+        self.errors: dict[str, str] = {}
         self.processes_note: str | None = None  # why the latest processes() list is empty/partial
 
     # -- start-up -----------------------------------------------------------------------------
@@ -230,20 +232,32 @@ class Nvml:
         func: Callable[..., Any] | None = getattr(self._module, func_name, None)
         if func is None:
             exc: BaseException = AttributeError(f"{func_name} is not in this nvidia-ml-py")
-            self.last_error = f"{func_name}: not in this nvidia-ml-py"
+            self.last_error = self.errors[func_name] = f"{func_name}: not in this nvidia-ml-py"
             return None, exc
         try:
             return func(*args), None
         except Exception as exc:  # NVMLError, NVMLLibraryMismatchError, ctypes errors alike
-            self.last_error = f"{func_name}: {_error_text(exc)}"
+            self.last_error = self.errors[func_name] = f"{func_name}: {_error_text(exc)}"
             return None, exc
 
     def _probe(self, func_name: str, *args: Any) -> Any:
         """A call whose failure is an expected answer (no MIG here, empty MIG slot): not an error."""
-        saved = self.last_error
+        saved, logged = self.last_error, self.errors.get(func_name)
         value, exc = self._call(func_name, *args)
         self.last_error = saved
+        if logged is None:
+            self.errors.pop(func_name, None)
+        else:
+            self.errors[func_name] = logged
         return None if exc is not None else value
+
+    def clear_errors(self) -> None:
+        """Forget the failed calls logged in ``errors`` (call before a reading to see only its failures)."""
+        self.errors = {}
+
+    def errors_text(self) -> str | None:
+        """The failed calls since ``clear_errors()`` in one line, or None when every call answered."""
+        return "; ".join(self.errors[name] for name in sorted(self.errors)) or None
 
     def query(self, func_name: str, *args: Any, default: Any = None) -> Any:
         """Call ``pynvml.<func_name>(*args)``; on any failure or when NVML is unavailable, return default."""

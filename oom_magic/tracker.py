@@ -61,59 +61,73 @@ def tensor_types(torch: ModuleType) -> frozenset[type]:
 def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
     """Scan the gc heap for tensors (on ``device`` when given), grouped into storages."""
     types = tensor_types(torch)
+    byteless_types = frozenset(t for t in types if t.__name__ in _BYTELESS_TYPE_NAMES)
     objects = gc.get_objects()
     scanned = len(objects)
     tensors = list(compress(objects, map(types.__contains__, map(type, objects))))
     del objects
     kept: list[Any] = []
     storage_of: dict[int, int] = {}
-    storages: dict[int, StorageRecord] = {}
+    # storage key -> [device, bytes, tensor naming it, tensor count, that tensor's shape or None];
+    # shapes and dtypes are read once per storage at the end, not once per tensor.
+    groups: dict[int, list[Any]] = {}
+    device_names: dict[Any, str] = {}
     byteless = 0
     for tensor in tensors:
-        info = _storage_info(tensor)
-        if info is None:
+        if type(tensor) in byteless_types:
             byteless += 1
             continue
-        key, where, nbytes = info
+        try:
+            if tensor.is_meta:
+                byteless += 1
+                continue
+            storage = tensor.untyped_storage()
+            nbytes = int(storage.nbytes())
+            if nbytes == 0:
+                byteless += 1
+                continue
+            key = int(storage._cdata)
+            where = _device_name(tensor.device, device_names)
+        except Exception:
+            # Wrapper subclasses have no storage of their own; their inner tensors are found too.
+            byteless += 1
+            continue
         if device is not None and where != device:
             continue
         kept.append(tensor)
         storage_of[id(tensor)] = key
-        record = storages.get(key)
-        if record is None:
-            storages[key] = StorageRecord(
-                key=key, device=where, bytes=nbytes, dtype=_dtype_name(tensor),
-                shape=_shape(tensor), tensor_count=1,
-            )
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [where, nbytes, tensor, 1, None]
         else:
-            storages[key] = _with_count(record, record.tensor_count + 1, tensor)
+            group[3] += 1
+            # Prefer the largest view's shape so the table shows the weight, not a slice of it.
+            best = group[4] if group[4] is not None else _shape(group[2])
+            shape = _shape(tensor)
+            if _numel(shape) > _numel(best):
+                group[2], group[4] = tensor, shape
+            else:
+                group[4] = best
     tensors.clear()
+    dtype_names: dict[Any, str] = {}
+    storages = {
+        key: StorageRecord(key, where, nbytes, _dtype_name(named, dtype_names),
+                           shape if shape is not None else _shape(named), count)
+        for key, (where, nbytes, named, count, shape) in groups.items()
+    }
+    groups.clear()
     return LiveTensors(kept, storage_of, storages, scanned, byteless)
 
 
-def _storage_info(tensor: Any) -> tuple[int, str, int] | None:
-    """(storage key, device string, storage bytes), or None when the tensor holds no bytes."""
-    if type(tensor).__name__ in _BYTELESS_TYPE_NAMES:
-        return None
+def _device_name(device: Any, names: dict[Any, str]) -> str:
+    """``str(device)``, cached per device: formatting a torch.device costs more than the rest of a tensor."""
     try:
-        if tensor.is_meta:
-            return None
-        storage = tensor.untyped_storage()
-        nbytes = int(storage.nbytes())
-        if nbytes == 0:
-            return None
-        return int(storage._cdata), str(tensor.device), nbytes
-    except Exception:
-        # Wrapper subclasses have no storage of their own; their inner tensors are found too.
-        return None
-
-
-def _with_count(record: StorageRecord, count: int, tensor: Any) -> StorageRecord:
-    # Prefer the largest view's shape so the table shows the weight, not a slice of it.
-    shape = _shape(tensor)
-    if _numel(shape) > _numel(record.shape):
-        return StorageRecord(record.key, record.device, record.bytes, _dtype_name(tensor), shape, count)
-    return StorageRecord(record.key, record.device, record.bytes, record.dtype, record.shape, count)
+        return names[device]
+    except KeyError:
+        names[device] = text = str(device)
+        return text
+    except Exception:  # an unhashable device from an exotic subclass
+        return str(device)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -125,13 +139,28 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _shape(tensor: Any) -> tuple[int, ...]:
     try:
-        return tuple(int(d) for d in tensor.shape)
+        return tuple(map(int, tensor.shape))
     except Exception:
         return ()
 
 
-def _dtype_name(tensor: Any) -> str:
+def _dtype_name(tensor: Any, names: dict[Any, str]) -> str:
     try:
-        return str(tensor.dtype).removeprefix("torch.")
+        dtype = tensor.dtype
     except Exception:
         return "unknown"
+    try:
+        return names[dtype]
+    except KeyError:
+        pass
+    except Exception:  # an unhashable dtype from an exotic subclass
+        names = {}
+    try:
+        name = str(dtype).removeprefix("torch.")
+    except Exception:
+        return "unknown"
+    try:
+        names[dtype] = name
+    except Exception:
+        pass
+    return name

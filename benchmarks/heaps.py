@@ -1,0 +1,221 @@
+"""Build a synthetic notebook heap of a chosen gc-object count and tensor count, for the scan benchmarks.
+
+What a heap holds, in the order it is built (every part is a real Python or torch object):
+
+- the libraries a notebook imports: torch (~170k gc objects), and from ~800k objects up also
+  transformers with ``LlamaForCausalLM`` imported (~360k together);
+- a model: from ~800k objects a real transformers ``LlamaForCausalLM`` built from a tiny config
+  with enough layers for ~1,000 parameters and buffers; below that a plain ``torch.nn`` decoder
+  stack of the same shape (transformers alone would overshoot a 200k heap);
+- with 100,000 tensors: Adam-style optimizer state (``opt_state[param]['exp_avg']``), views of one
+  large activation tensor (``chunks``, sharing one storage) and a tokenised dataset whose records
+  each hold a small tensor (``dataset[i]['input_ids']``), as a user's own notebook would;
+- filler up to the target count, about 30% of it user data in the namespace (``records``: dicts with a
+  token list and a metadata dict; ``examples``: instances with attributes) and the rest library state
+  reached only through ``sys.modules`` (a registry module, as pandas/sklearn/tokenizers leave).
+
+The user variables go into the namespace given (a notebook's ``user_ns`` or ``__main__.__dict__``),
+so the holder walk starts from the same place it would in a notebook.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Any
+
+LIBRARY_MODULE = "_oom_bench_library"
+# Nominal sizes used in the table, and the tensor counts each is built with.
+HEAP_SIZES = {"200k": 200_000, "800k": 800_000, "3M": 3_000_000}
+TENSOR_COUNTS = (1_000, 100_000)
+_TRANSFORMERS_FROM = 500_000  # objects: below this, transformers alone would overshoot the heap
+
+
+@dataclass(frozen=True)
+class HeapInfo:
+    """What a built heap holds: counts the benchmark reports beside its timings."""
+
+    label: str
+    target_objects: int
+    objects: int          # len(gc.get_objects()) after building
+    tensors: int          # live torch tensors in the heap
+    storages: int         # distinct storages among them
+    model: str            # which model the heap holds
+    user_objects: int     # gc objects the filler put in the user namespace
+    library_objects: int  # gc objects the filler put behind sys.modules
+    build_seconds: float
+    garbage: str | None   # None, "young" (orphaned before any collection) or "old" (orphaned after promotion)
+
+
+class Example:
+    """A user's record object (a notebook's dataclass-like row)."""
+
+    def __init__(self, i: int) -> None:
+        self.text = f"example {i}"
+        self.label = i % 7
+        self.spans = [i, i + 3, i + 9]
+
+
+class _Node:
+    """An object in a reference cycle (the garbage a cell can leave behind)."""
+
+
+def _cycle(torch: Any) -> _Node:
+    """A reference cycle holding a 256 KiB tensor (the caller drops the last outside reference)."""
+    node = _Node()
+    node.self = node
+    node.hidden_states = torch.ones(256, 256)
+    return node
+
+
+def _torch_model(torch: Any, layers: int) -> Any:
+    """A plain torch decoder stack: 9 parameters per layer, like a Llama block."""
+    nn = torch.nn
+
+    class Block(nn.Module):
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+            self.v_proj, self.o_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+            self.gate_proj, self.up_proj = nn.Linear(d, 2 * d, bias=False), nn.Linear(d, 2 * d, bias=False)
+            self.down_proj = nn.Linear(2 * d, d, bias=False)
+            self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(d, bias=False), nn.LayerNorm(d, bias=False)
+
+    class Decoder(nn.Module):
+        def __init__(self, d: int, n: int, vocab: int) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(vocab, d)
+            self.layers = nn.ModuleList(Block(d) for _ in range(n))
+            self.norm = nn.LayerNorm(d, bias=False)
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    return Decoder(16, layers, 256)
+
+
+def _llama_model(layers: int) -> Any:
+    """A real transformers LlamaForCausalLM from a tiny config (small tensors, real module tree)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
+                         max_position_embeddings=64)
+    return LlamaForCausalLM(config)
+
+
+def _count() -> int:
+    return len(gc.get_objects())
+
+
+def _fill(target: int, user: list, library: list) -> tuple[int, int]:
+    """Add records (user) and registry entries (library) in equal shares until the heap reaches target."""
+    user_added = library_added = 0
+    per_item = 8.0  # gc objects one loop below adds; measured after the first chunk
+    i = 0
+    while True:
+        missing = target - _count()
+        if missing <= 1_000:
+            return user_added, library_added
+        chunk = max(int(missing / per_item * 0.9), 100)
+        before_user = _count()
+        for j in range(i, i + chunk):
+            if j % 2:
+                user[0].append({"id": j, "text": f"row {j}", "tokens": [j % 50257, 13, 262, (j * 7) % 50257],
+                                "meta": {"source": "train", "length": 4}})
+            else:
+                user[1].append(Example(j))
+        before_library = _count()
+        for j in range(i, i + chunk):
+            library.append([f"entry-{j}", {"hits": j, "path": ["cache", j]}, types.SimpleNamespace(key=j), [j, None]])
+        after = _count()
+        user_added += before_library - before_user
+        library_added += after - before_library
+        per_item = (after - before_user) / chunk
+        i += chunk
+
+
+def build_heap(label: str, tensors: int, namespace: dict, *, garbage: str | None = None) -> HeapInfo:
+    """Fill ``namespace`` (and a library module) so the process holds ~HEAP_SIZES[label] gc objects.
+
+    ``garbage`` adds one unreachable reference cycle holding a 256 KiB tensor: "young" is orphaned
+    right away (it sits in generation 0, as a cycle from the cell just run), "old" is orphaned
+    after a collection promoted it (a model deleted cells after it was built). The heap is left
+    collected, as a notebook's is after its last full collection; the caller decides gc.enable().
+    """
+    started = time.perf_counter()
+    target = HEAP_SIZES[label]
+    import torch
+
+    if target >= _TRANSFORMERS_FROM:
+        import transformers  # noqa: F401  (the import itself is part of a real notebook's heap)
+
+        model = _llama_model(111)
+        model_name = "transformers LlamaForCausalLM, 111 tiny layers"
+    else:
+        model = _torch_model(torch, 111)
+        model_name = "torch.nn decoder, 111 tiny layers"
+    namespace["torch"] = torch
+    namespace["model"] = model
+    params = list(model.parameters())
+    count = len(params) + len(list(model.buffers()))
+    if tensors > count:
+        # Optimizer state: two moments and a step per parameter, keyed by the parameter.
+        opt_state = {p: {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                     for p in params}
+        namespace["opt_state"] = opt_state
+        count += 3 * len(params)
+        # Views of one activation tensor: many tensors, one storage.
+        views = min(10_000, (tensors - count) // 10)
+        acts = torch.zeros(views, 8)
+        namespace["chunks"] = list(acts.unbind(0))
+        count += views
+        if target >= _TRANSFORMERS_FROM:
+            # A tokenised dataset: one small tensor per record.
+            namespace["dataset"] = [{"input_ids": torch.arange(8), "label": i % 2} for i in range(tensors - count)]
+        else:
+            # Flat, so that 100k tensors still fit a heap this small: cached embeddings.
+            namespace["features"] = [torch.arange(8) for _ in range(tensors - count)]
+        count = tensors
+    gc.collect()  # import and construction leftovers: a notebook's heap after its first collection
+    user: list[list[Any]] = [[], []]
+    namespace["records"], namespace["examples"] = user
+    library_module = types.ModuleType(LIBRARY_MODULE)
+    library_module.registry = []
+    sys.modules[LIBRARY_MODULE] = library_module
+    user_objects, library_objects = _fill(target, user, library_module.registry)
+    if garbage not in (None, "young", "old"):
+        raise ValueError(f"garbage must be None, 'young' or 'old', not {garbage!r}")
+    node = _cycle(torch) if garbage == "old" else None
+    gc.collect()  # everything built so far is long-lived: the oldest generation
+    node = None  # "old": orphaned in the oldest generation, where only a full collection frees it
+    if garbage == "young":
+        _cycle(torch)  # orphaned at once: generation 0
+    objects = gc.get_objects()
+    types_ = _tensor_types(torch)
+    live = [o for o in objects if type(o) in types_]
+    del objects
+    storages = len({t.untyped_storage()._cdata for t in live})
+    info = HeapInfo(label, target, _count(), len(live), storages, model_name, user_objects, library_objects,
+                    time.perf_counter() - started, garbage)
+    del live
+    return info
+
+
+def _tensor_types(torch: Any) -> set[type]:
+    found, stack = {torch.Tensor}, [torch.Tensor]
+    while stack:
+        for sub in type.__subclasses__(stack.pop()):
+            if sub not in found:
+                found.add(sub)
+                stack.append(sub)
+    return found
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    gc.disable()
+    print(build_heap(sys.argv[1] if len(sys.argv) > 1 else "800k", int(sys.argv[2]) if len(sys.argv) > 2 else 1000,
+                     sys.modules["__main__"].__dict__, garbage=sys.argv[3] if len(sys.argv) > 3 else None))

@@ -1,0 +1,483 @@
+"""Explain an out-of-memory error: rank its likely causes, each with the numbers that show it.
+
+Pure: figures in (the parsed message, device readings, what the cleanup and the give-back
+recovered, the checkpoint estimate), records out. No torch, no IPython, no device calls. The
+ways to make a load fit (``fit_options``) live here too, because a preflight that says "will not
+fit" and a diagnosis that says "too big" give the same advice with the same sizes.
+
+Causes, in the order used to break ties:
+
+- ``other-processes``: other processes hold device memory (which, how much, Jupyter kernels);
+- ``stale``: this process held stale memory (output cache, stored tracebacks, garbage);
+- ``variables``: this process's own variables hold device memory (an earlier model);
+- ``fragmentation``: enough memory is free or cached, but not in one block;
+- ``too-big``: the load needs more than this device can give;
+- ``partial-load``: the failed load's partial weights were given back, so a smaller retry fits.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from .oom import OOMMessage, parse_oom_message
+
+if TYPE_CHECKING:
+    from .devices import DeviceReading
+    from .estimate import CheckpointEstimate
+    from .processes import ProcessInfo
+
+__all__ = ["Cause", "Diagnosis", "FitOption", "RetryVerdict", "diagnose", "fit_options", "device_index"]
+
+CAUSE_ORDER = ("other-processes", "stale", "variables", "fragmentation", "too-big", "partial-load")
+# A cause that explains less than this share of the shortfall is left out of the ranking.
+_MIN_SCORE = 0.05
+_HALF = "bfloat16"
+
+
+@dataclass(frozen=True)
+class FitOption:
+    """One way to make this load fit, with its sizes for this model on this machine.
+
+    ``kind``: 'bfloat16' | 'int8' | 'nf4' | 'device-map-auto' | 'offload-folder' |
+    'map-location-cpu' | 'device-cpu' (load_file) | 'mmap' | 'skip-optimizer'. ``device_bytes`` is what lands on the target
+    device, ``cpu_bytes`` / ``disk_bytes`` what accelerate would place in RAM / on disk.
+    ``max_memory`` is the budget dict to pass (key: device index, 'mps' or 'cpu'; value: bytes).
+    ``fits`` is None when a budget is unknown.
+    """
+
+    kind: str
+    device_bytes: int
+    fits: bool | None
+    cpu_bytes: int = 0
+    disk_bytes: int = 0
+    dtype: str | None = None
+    max_memory: tuple[tuple[int | str, int], ...] = ()
+    offload_folder: str | None = None
+    key: str | None = None  # skip-optimizer: the top-level key that holds the model weights
+
+    def code(self) -> str:
+        """The change to make in the load call, as code to paste."""
+        from .render.guard import option_code
+
+        return option_code(self)
+
+    def __repr__(self) -> str:
+        return f"<FitOption {self.kind}: {self.device_bytes} B on device, fits={self.fits}>"
+
+
+@dataclass(frozen=True)
+class Cause:
+    """One likely cause of the out-of-memory error and the figures that show it (int bytes)."""
+
+    kind: str
+    score: float  # share of the shortfall this cause accounts for (1.0: alone enough); ranking key
+    figures: tuple[tuple[str, int | None], ...]
+    processes: tuple[ProcessInfo, ...] = ()  # other-processes
+    holders: tuple[tuple[str, int], ...] = ()  # variables: (name, bytes), largest first
+    kernels: tuple[tuple[int, str | None, str], ...] = ()  # other-processes: (pid, notebook, how to stop it)
+    options: tuple[FitOption, ...] = ()  # too-big / partial-load
+    flags: tuple[str, ...] = ()  # facts the advice depends on ('expandable-on', 'cuda-initialized', ...)
+
+    def figure(self, name: str) -> int | None:
+        """One named figure (bytes), None when unknown or absent."""
+        return dict(self.figures).get(name)
+
+    def text(self) -> str:
+        """The cause as lines of text: what, with numbers, then what to do."""
+        from .render.guard import cause_text
+
+        return cause_text(self)
+
+    def __repr__(self) -> str:
+        return f"<Cause {self.kind} score={self.score:.2f}>"
+
+
+@dataclass(frozen=True)
+class RetryVerdict:
+    """Whether running the same load again can fit now, and the two figures that decide it.
+
+    ``reason``: 'fits-now' | 'still-short' | 'unknown' (a figure is missing).
+    """
+
+    can_fit: bool
+    reason: str
+    free_now: int | None
+    need: int | None  # the least the same load needs: its estimate, or what it held + what it asked
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why a load ran out of memory: causes ranked most likely first, and whether a retry can fit."""
+
+    device: str
+    oom: OOMMessage | None
+    requested: int | None
+    free: int | None  # free on the device when it failed
+    total: int | None
+    shortfall: int | None  # requested - free
+    causes: tuple[Cause, ...]
+    retry: RetryVerdict
+    notes: tuple[str, ...] = ()
+
+    @property
+    def top(self) -> Cause | None:
+        """The most likely cause, or None when nothing explains it."""
+        return self.causes[0] if self.causes else None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The cause kinds, most likely first."""
+        return tuple(c.kind for c in self.causes)
+
+    def cause(self, kind: str) -> Cause | None:
+        """The cause of one kind, or None."""
+        return next((c for c in self.causes if c.kind == kind), None)
+
+    def __repr__(self) -> str:
+        return f"<Diagnosis {self.device}: {', '.join(self.kinds) or 'no cause found'}; retry={self.retry.can_fit}>"
+
+    def __str__(self) -> str:
+        from .render.guard import diagnosis_text
+
+        return diagnosis_text(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        from .render.guard import diagnosis_html
+
+        return diagnosis_html(self)
+
+
+def device_index(device: str) -> int | str:
+    """The key accelerate's ``max_memory`` uses for a device: 0 for cuda:0, 'mps', 'cpu'."""
+    kind, _, index = device.partition(":")
+    if kind in ("cuda", "hip", "xpu"):
+        return int(index or 0)
+    return kind
+
+
+def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None = None,
+                dtype: str | None = None, loader: str = "from_pretrained",
+                device_budget: int | None = None, ram_budget: int | None = None,
+                disk_budget: int | None = None, model_part: tuple[str, int] | None = None,
+                offload_folder: str = "offload") -> tuple[FitOption, ...]:
+    """The ways to make this checkpoint fit on ``device``, with their sizes for this model.
+
+    ``need`` is what the load as written puts on the device (default: the estimate's bytes),
+    ``dtype`` the dtype it loads in (None: as stored). Budgets are bytes usable after headroom:
+    ``device_budget`` on the device, ``ram_budget`` in CPU RAM, ``disk_budget`` on the disk that
+    would hold ``offload_folder``. For ``loader='torch.load'``: CPU-first loading, ``mmap=True``
+    and, with ``model_part=(key, bytes)``, loading only the model's weights.
+    """
+    need = estimate.bytes if need is None else need
+
+    def fits(nbytes: int, budget: int | None) -> bool | None:
+        return None if budget is None else nbytes <= budget
+
+    options: list[FitOption] = []
+    if loader == "torch.load":
+        if device != "cpu":
+            options.append(FitOption("map-location-cpu", 0, fits(need, ram_budget), cpu_bytes=need))
+        options.append(FitOption("mmap", 0 if device == "cpu" else need, True if device == "cpu" else fits(need, device_budget),
+                                 cpu_bytes=0))
+        if model_part is not None:
+            key, part = model_part
+            options.append(FitOption("skip-optimizer", part, fits(part, device_budget if device != "cpu" else ram_budget),
+                                     key=key))
+        return tuple(options)
+    if loader == "load_file":
+        if device != "cpu":
+            options.append(FitOption("device-cpu", 0, fits(need, ram_budget), cpu_bytes=need))
+        return tuple(options)
+    current = _canonical(dtype)
+    if current not in ("bfloat16", "float16", "int8", "nf4"):
+        half = estimate.bytes_for(_HALF)
+        if half < need:
+            options.append(FitOption("bfloat16", half, fits(half, device_budget), dtype=_HALF))
+    rest = current if current in ("bfloat16", "float16") else _HALF
+    if current not in ("int8", "nf4"):
+        int8 = estimate.bytes_for("int8", unquantized_dtype=rest)
+        options.append(FitOption("int8", int8, fits(int8, device_budget), dtype=rest))
+    if current != "nf4":
+        nf4 = estimate.bytes_for("nf4", double_quant=True, unquantized_dtype=rest)
+        options.append(FitOption("nf4", nf4, fits(nf4, device_budget), dtype=rest))
+    options += _spread_options(need, device, current, device_budget, ram_budget, disk_budget, offload_folder)
+    return tuple(options)
+
+
+def _spread_options(need: int, device: str, dtype: str | None, device_budget: int | None,
+                    ram_budget: int | None, disk_budget: int | None, folder: str) -> list[FitOption]:
+    """device_map="auto" with a max_memory that fits this device and this RAM, then disk offload."""
+    if device_budget is None or ram_budget is None:
+        return []
+    device_budget, ram_budget = max(device_budget, 0), max(ram_budget, 0)
+    options: list[FitOption] = []
+    if device == "cpu":
+        on_ram = min(need, ram_budget)
+        spill = need - on_ram
+        if spill > 0:
+            options.append(FitOption("offload-folder", on_ram, None if disk_budget is None else spill <= disk_budget,
+                                     disk_bytes=spill, dtype=dtype, max_memory=(("cpu", ram_budget),),
+                                     offload_folder=folder))
+        return options
+    key = device_index(device)
+    on_device = min(need, device_budget)
+    on_ram = min(need - on_device, ram_budget)
+    spill = need - on_device - on_ram
+    budget = ((key, device_budget), ("cpu", ram_budget))
+    if need > device_budget:
+        options.append(FitOption("device-map-auto", on_device, spill == 0, cpu_bytes=on_ram, dtype=dtype,
+                                 max_memory=budget))
+    if spill > 0:
+        options.append(FitOption("offload-folder", on_device, None if disk_budget is None else spill <= disk_budget,
+                                 cpu_bytes=on_ram, disk_bytes=spill, dtype=dtype, max_memory=budget,
+                                 offload_folder=folder))
+    return options
+
+
+def _canonical(dtype: str | None) -> str | None:
+    if dtype is None:
+        return None
+    text = str(dtype).strip().lower().removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32", "8bit": "int8", "4bit": "nf4", "fp4": "nf4"}.get(text, text)
+
+
+def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
+             before: DeviceReading | None = None, at_failure: DeviceReading | None = None,
+             now: DeviceReading | None = None, stale_freed_before: int | None = None,
+             stale_given_back: int | None = None, given_back: int | None = None,
+             still_held: int | None = None, holders: Sequence[tuple[str, int]] = (),
+             estimate: CheckpointEstimate | None = None, need: int | None = None,
+             dtype: str | None = None, loader: str = "from_pretrained",
+             largest_free_block: int | None = None, expandable_segments: bool | None = None,
+             cuda_initialized_before: bool | None = None, headroom: int = 0,
+             ram_budget: int | None = None, disk_budget: int | None = None,
+             free_limit: str | None = None, process_limit: int | None = None,
+             kernels: Mapping[int, Any] | None = None, self_pid: int | None = None) -> Diagnosis:
+    """Rank the likely causes of an out-of-memory error, each with the numbers that show it.
+
+    Every argument but the first is optional; the more figures, the sharper the answer.
+    ``oom``: the parsed message (or its text). Readings of the device: ``before`` the load,
+    ``at_failure`` right after it failed, ``now`` after the give-back. Bytes:
+    ``stale_freed_before`` (the cleanup before the load), ``stale_given_back`` (stale memory from
+    before the load freed after it failed), ``given_back`` (the failed load's own tensors freed),
+    ``still_held`` (the failed load's tensors something still holds), ``holders`` (this process's
+    variables holding device memory, largest first). The load: ``estimate`` (its checkpoint),
+    ``need`` (bytes it puts on the device), ``dtype``, ``loader``. CUDA allocator facts:
+    ``largest_free_block`` (from the allocator snapshot), ``expandable_segments``,
+    ``cuda_initialized_before``. ``headroom`` is kept free in every fit comparison.
+    ``free_limit`` says what limits free memory when it is not the device itself (CPU: "the
+    address-space limit (ulimit -v)", "the container's memory limit (cgroup)");
+    ``process_limit`` is the bytes this process may reserve on a CUDA device when
+    ``torch.cuda.set_per_process_memory_fraction`` caps it (the message's "allowed" figure).
+    ``kernels`` names the other processes that are Jupyter kernels of this user
+    (``jupyter_kernels.find_jupyter_kernels``: pid -> notebook_path and stop_hint).
+    """
+    import os
+
+    message = parse_oom_message(oom) if isinstance(oom, str) else oom
+    where = device or (at_failure.device if at_failure else now.device if now else before.device if before else None)
+    if where is None:
+        where = _device_from_message(message)
+    self_pid = os.getpid() if self_pid is None else self_pid
+    requested = message.requested if message else None
+    capped_free = at_failure.free if at_failure is not None and process_limit is not None else None
+    # Under a per-process cap the device's free memory is not what this process could still get.
+    free = _first(capped_free, message.free if message else None, at_failure.free if at_failure else None)
+    total = _first(message.total if message else None, _total(at_failure, now, before))
+    capacity = total if process_limit is None or total is None else min(total, process_limit)
+    shortfall = requested - free if requested is not None and free is not None else None
+    if shortfall is not None and shortfall <= 0:
+        shortfall = None  # the figures disagree (another allocation raced); do not rank by it
+    need = need if need is not None else (estimate.bytes if estimate is not None else None)
+    free_now = now.free if now is not None else None
+
+    # Under an address-space limit other processes' RAM is not what ran out.
+    others_count = not (where == "cpu" and free_limit is not None and "address-space" in free_limit)
+    causes = [c for c in (
+        _other_processes(message, at_failure or now or before, self_pid, shortfall, where, kernels or {})
+        if others_count else None,
+        _stale(stale_given_back, stale_freed_before, shortfall),
+        _variables(holders, shortfall),
+        _fragmentation(message, requested, largest_free_block, free, expandable_segments,
+                       cuda_initialized_before, where),
+        _too_big(requested, need, capacity, free, before, estimate, where, dtype, loader, headroom,
+                 ram_budget, disk_budget, capped=capacity != total),
+        _partial_load(given_back, still_held, estimate, where, free_now, headroom, dtype, loader,
+                      ram_budget, disk_budget, need, requested),
+    ) if c is not None]
+    causes.sort(key=lambda c: (-c.score, CAUSE_ORDER.index(c.kind)))
+    notes: list[str] = []
+    if message is None:
+        notes.append("the error text is not one of PyTorch's out-of-memory messages: figures come from readings only")
+    if free_limit is not None:
+        notes.append(f"free memory here is limited by {free_limit}, not by the machine's RAM")
+    retry = _retry_verdict(requested, need, given_back, free_now, headroom)
+    return Diagnosis(where, message, requested, free, total, shortfall, tuple(causes), retry, tuple(notes))
+
+
+def _first(*values: int | None) -> int | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _total(*readings: DeviceReading | None) -> int | None:
+    return _first(*(r.total for r in readings if r is not None))
+
+
+def _device_from_message(message: OOMMessage | None) -> str:
+    if message is None:
+        return "unknown"
+    if message.backend in ("cuda", "hip", "xpu"):
+        kind = "xpu" if message.backend == "xpu" else "cuda"  # ROCm builds name HIP devices cuda:N
+        return f"{kind}:{message.device_index or 0}"
+    return message.backend
+
+
+def _share(part: int | None, shortfall: int | None, total: int | None = None) -> float:
+    """How much of the shortfall ``part`` accounts for (1.0: all of it)."""
+    if not part or part <= 0:
+        return 0.0
+    if shortfall:
+        return min(part / shortfall, 1.0)
+    if total:
+        return min(part / total, 1.0)
+    return 0.5
+
+
+def _other_processes(message: OOMMessage | None, reading: DeviceReading | None, self_pid: int,
+                     shortfall: int | None, device: str, kernels: Mapping[int, Any]) -> Cause | None:
+    infos = {p.pid: p for p in (reading.processes if reading is not None else ())}
+    if device == "cpu":
+        # System RAM: everything not this process is "other processes".
+        if reading is None or reading.used is None or reading.process_used is None:
+            return None
+        others = max(reading.used - reading.process_used, 0)
+        score = _share(others, shortfall, reading.total) * 0.5  # RAM is shared by design: weaker evidence
+        if score < _MIN_SCORE:
+            return None
+        return Cause("other-processes", score, (("others", others), ("total", reading.total)))
+    pairs: list[tuple[int, int]] = []
+    if message is not None and message.processes:
+        pairs = [(pid, used) for pid, used in message.processes if pid != self_pid]
+    else:
+        pairs = [(p.pid, p.used_bytes) for p in infos.values() if not p.is_self and p.used_bytes is not None]
+    others = sum(used for _, used in pairs)
+    score = _share(others, shortfall, message.total if message else None)
+    if score < _MIN_SCORE:
+        return None
+    procs = tuple(sorted((infos.get(pid) or _bare_process(pid, used) for pid, used in pairs),
+                         key=lambda p: -(p.used_bytes or 0)))
+    named = tuple((pid, getattr(kernels[pid], "notebook_path", None), str(getattr(kernels[pid], "stop_hint", "")))
+                  for pid, _ in pairs if pid in kernels)
+    in_kernels = sum(used for pid, used in pairs if pid in kernels
+                     or (infos.get(pid) is not None and infos[pid].is_jupyter_kernel))
+    return Cause("other-processes", score, (("others", others), ("kernels", in_kernels)), processes=procs,
+                 kernels=named)
+
+
+def _bare_process(pid: int, used: int) -> ProcessInfo:
+    from .processes import ProcessInfo
+
+    return ProcessInfo(pid, used, None, None, None, False, "not described (no NVML reading)")
+
+
+def _stale(stale_given_back: int | None, stale_freed_before: int | None, shortfall: int | None) -> Cause | None:
+    score = _share(stale_given_back, shortfall)
+    if score < _MIN_SCORE:
+        return None
+    return Cause("stale", score, (("stale_given_back", stale_given_back), ("stale_freed_before", stale_freed_before)))
+
+
+def _variables(holders: Sequence[tuple[str, int]], shortfall: int | None) -> Cause | None:
+    held = tuple((name, int(b)) for name, b in holders if b > 0)
+    total = sum(b for _, b in held)
+    score = _share(total, shortfall) * 0.9  # the user may need them: rank just below stale memory
+    if score < _MIN_SCORE:
+        return None
+    return Cause("variables", score, (("held", total),), holders=held[:5])
+
+
+def _fragmentation(message: OOMMessage | None, requested: int | None, largest_free_block: int | None,
+                   free: int | None, expandable: bool | None, initialized: bool | None,
+                   device: str) -> Cause | None:
+    if requested is None or not device.startswith(("cuda", "hip", "xpu")):
+        return None
+    cache = message.reserved_unallocated if message is not None else None
+    flags = []
+    if expandable:
+        flags.append("expandable-on")
+    if initialized:
+        flags.append("cuda-initialized")
+    figures = (("cache", cache), ("requested", requested), ("largest_free_block", largest_free_block), ("free", free))
+    if cache is not None and cache >= requested:
+        # PyTorch already released what it could before raising: what stays cached is split.
+        return Cause("fragmentation", 1.0, figures, flags=tuple(flags))
+    if largest_free_block is not None and largest_free_block < requested <= (cache or 0) + (free or 0):
+        return Cause("fragmentation", 0.8, figures, flags=tuple(flags))
+    if cache is not None and cache > 0 and free is not None and cache + free >= requested:
+        return Cause("fragmentation", 0.6, figures, flags=tuple(flags))
+    return None
+
+
+def _too_big(requested: int | None, need: int | None, total: int | None, free: int | None,
+             before: DeviceReading | None, estimate: CheckpointEstimate | None, device: str,
+             dtype: str | None, loader: str, headroom: int, ram_budget: int | None,
+             disk_budget: int | None, capped: bool = False) -> Cause | None:
+    figures = (("need", need), ("requested", requested), ("total", total),
+               ("free_before", before.free if before else None), ("headroom", headroom))
+    flags: list[str] = ["process-limit"] if capped else []
+    if need is not None and total is not None and need + headroom > total:
+        score = 1.0
+        flags.append("over-capacity")
+    elif requested is not None and total is not None and requested > total:
+        score = 1.0
+        flags.append("over-capacity")
+        if need is not None and requested > need:
+            flags.append("not-the-weights")  # one allocation larger than the whole checkpoint
+    elif need is not None and before is not None and before.free is not None and need + headroom > before.free:
+        score = 0.4  # it would fit an empty device: whoever holds the rest shares the blame
+    else:
+        return None
+    options: tuple[FitOption, ...] = ()
+    if estimate is not None and "not-the-weights" not in flags:
+        budget = None if total is None else total - headroom
+        options = fit_options(estimate, device=device, need=need, dtype=dtype, loader=loader,
+                              device_budget=budget, ram_budget=ram_budget, disk_budget=disk_budget)
+    return Cause("too-big", score, figures, options=options, flags=tuple(flags))
+
+
+def _partial_load(given_back: int | None, still_held: int | None, estimate: CheckpointEstimate | None,
+                  device: str, free_now: int | None, headroom: int, dtype: str | None, loader: str,
+                  ram_budget: int | None, disk_budget: int | None, need: int | None,
+                  requested: int | None) -> Cause | None:
+    if not given_back and not still_held:
+        return None
+    options: tuple[FitOption, ...] = ()
+    weights_failed = need is None or requested is None or requested <= need
+    if estimate is not None and free_now is not None and weights_failed:
+        options = tuple(o for o in fit_options(estimate, device=device, need=need, dtype=dtype, loader=loader,
+                                               device_budget=free_now - headroom, ram_budget=ram_budget,
+                                               disk_budget=disk_budget)
+                        if o.fits)
+    # A recovery, not a cause: ranked last unless the load's leftovers are still held.
+    score = 0.5 if still_held else 0.01
+    return Cause("partial-load", score, (("given_back", given_back), ("still_held", still_held),
+                                         ("free_now", free_now)), options=options)
+
+
+def _retry_verdict(requested: int | None, need: int | None, given_back: int | None,
+                   free_now: int | None, headroom: int) -> RetryVerdict:
+    """The same load fits now only if what it held plus what it asked (or its estimate) is free."""
+    least = None
+    if requested is not None:
+        least = requested + (given_back or 0)
+    if need is not None:
+        least = max(least or 0, need)
+    if least is None or free_now is None:
+        return RetryVerdict(False, "unknown", free_now, least)
+    if least + headroom <= free_now:
+        return RetryVerdict(True, "fits-now", free_now, least)
+    return RetryVerdict(False, "still-short", free_now, least)

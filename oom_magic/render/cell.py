@@ -1,0 +1,132 @@
+"""Words for the after-cell memory view: its caption, button label, details, and static exports.
+
+The live widget (``oom_magic.widget``) shows these strings; ``cell_text``/``cell_html`` are the
+text/plain and text/html it leaves beside the widget view, so terminals, nbconvert and GitHub
+show the same figures. Every outside string (holder paths, process names, notes) is escaped.
+"""
+from __future__ import annotations
+
+from html import escape
+from typing import TYPE_CHECKING
+
+from .html import bar_html
+from .segments import memory_segments
+from .text import bar, table
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from ..cleanup import FreeReport
+    from ..snapshot import Snapshot
+    from ..watch import CellReport, WatchStatus
+
+DETAIL_HOLDERS = 5
+
+
+def cell_caption(report: CellReport, *, pinned: bool = False) -> str:
+    """``cuda:0 · 14.20 GiB / 15.78 GiB used · this cell +12.60 GiB (peak +13.10 GiB) · stale 1.20 GiB``."""
+    snap, change = report.snapshot, report.change
+    r = snap.reading
+    parts = []
+    if pinned and change is not None and change.execution_count is not None:
+        parts.append(f"In [{change.execution_count}]")
+    parts.append(snap.device)
+    parts.append(f"{format_bytes(r.used)} / {format_bytes(r.total)} used")
+    if change is not None and change.delta is not None:
+        what = " RSS" if change.device == "cpu" else ""
+        text = f"this cell{what} {format_bytes(change.delta, signed=True)}"
+        if change.peak_delta is not None:
+            text += f" (peak {format_bytes(change.peak_delta, signed=True)})"
+        parts.append(text)
+    if change is not None and change.variable_delta:
+        parts.append(f"variables {format_bytes(change.variable_delta, signed=True)}")
+    if change is not None and change.oom:
+        parts.append("out of memory")
+    parts.append(f"stale {format_bytes(snap.stale_bytes)}")
+    if report.freed is not None:
+        parts.append(f"freed {format_bytes(report.freed.freed_bytes)}")
+    return " · ".join(parts)
+
+
+def free_button_label(stale_bytes: int) -> str:
+    """``Free stale tensors (1.20 GiB)``."""
+    return f"Free stale tensors ({format_bytes(stale_bytes)})"
+
+
+def freed_line(freed: FreeReport) -> str:
+    """``freed 1.20 GiB (output-cache 1.20 GiB)`` and the cleanup's notes, in one line."""
+    kinds = ", ".join(f"{k} {format_bytes(b)}" for k, b in freed.freed_by_kind if b)
+    line = f"freed {format_bytes(freed.freed_bytes)}" + (f" ({kinds})" if kinds else "")
+    return "; ".join([line, *freed.notes])
+
+
+def cell_details_html(snap: Snapshot, top: int = DETAIL_HOLDERS) -> str:
+    """Top holders with their paths, other processes (Jupyter kernels flagged) and notes, escaped."""
+    parts = []
+    groups = snap.holders()
+    if groups:
+        rows = "".join(
+            f"<tr><td><code>{escape(g.path)}</code></td><td>{escape(format_bytes(g.bytes))}</td>"
+            f"<td>{escape(g.dtype)}</td><td>{escape(_shape(g.shape))}</td><td>{escape(g.kind)}</td></tr>"
+            for g in groups[:top]
+        )
+        parts.append(f"<div><b>top holders</b> ({min(top, len(groups))} of {len(groups)})</div>"
+                     "<table class='oom-holders'><thead><tr><th style='text-align:left'>holder</th><th>bytes</th>"
+                     f"<th>dtype</th><th>shape</th><th>kind</th></tr></thead><tbody>{rows}</tbody></table>")
+    else:
+        parts.append("<div>no tensors on this device</div>")
+    processes = snap.reading.processes
+    if processes:
+        rows = "".join(
+            f"<tr><td>{p.pid}</td><td>{escape(p.name or '?')}</td><td>{escape(p.user or '?')}</td>"
+            f"<td>{'Jupyter kernel' if p.is_jupyter_kernel else ''}</td><td>{escape(format_bytes(p.used_bytes))}</td>"
+            f"<td>{escape(p.note or '')}</td></tr>"
+            for p in processes
+        )
+        parts.append("<div><b>other processes</b></div><table class='oom-processes'><thead><tr><th>pid</th>"
+                     "<th>process</th><th>user</th><th>kernel</th><th>bytes</th><th>note</th></tr></thead>"
+                     f"<tbody>{rows}</tbody></table>")
+    notes = snap.reading.notes + snap.notes
+    if notes:
+        parts.append("<ul class='oom-notes'>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")
+    return "".join(parts)
+
+
+def cell_html(report: CellReport, *, pinned: bool = False) -> str:
+    """The view as static HTML: caption, bar, what a cleanup freed, and collapsible details."""
+    freed = f"<div class='oom-freed'>{escape(freed_line(report.freed))}</div>" if report.freed else ""
+    return (f"<div class='oom-cell'><div class='oom-caption'>{escape(cell_caption(report, pinned=pinned))}</div>"
+            f"{bar_html(report.snapshot)}{freed}<details><summary>details</summary>"
+            f"{cell_details_html(report.snapshot)}</details></div>")
+
+
+def cell_text(report: CellReport, *, pinned: bool = False) -> str:
+    """The view as plain text: caption, a text bar, top holders, and how to free stale memory."""
+    snap = report.snapshot
+    segments = memory_segments(snap)
+    lines = [cell_caption(report, pinned=pinned), bar(segments, snap.reading.total) + "  "
+             + "  ".join(f"{s.label} {format_bytes(s.bytes)}" for s in segments if s.bytes)]
+    if report.freed is not None:
+        lines.append(freed_line(report.freed))
+    groups = snap.holders()[:DETAIL_HOLDERS]
+    lines += table((g.path, format_bytes(g.bytes), g.kind) for g in groups)
+    if snap.stale_bytes:
+        lines.append(f"%freeall frees the {format_bytes(snap.stale_bytes)} of stale tensors")
+    return "\n".join(lines)
+
+
+def watch_status_text(status: WatchStatus) -> str:
+    """``after-cell memory view: changes (≥ 1.00 MiB on a GPU, ≥ 16.00 MiB on cpu) · 3 cells recorded``."""
+    if not status.enabled:
+        mode = "off after an error (%gpumem --auto changes turns it back on)"
+    elif status.pinned:
+        mode = "one pinned widget, updated after each cell that changes memory"
+    else:
+        mode = {"changes": "a widget under each cell that changes memory",
+                "always": "a widget under every cell", "off": "off"}.get(status.mode, status.mode)
+    return (f"after-cell memory view: {mode} (threshold {format_bytes(status.thresholds.gpu)} on a GPU, "
+            f"{format_bytes(status.thresholds.cpu)} on cpu; {status.live_widgets} live widgets kept) · "
+            f"{status.cells_recorded} cells recorded")
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape)) or "scalar"

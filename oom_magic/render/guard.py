@@ -1,0 +1,489 @@
+"""Text and HTML for %%guardload: preflight, give-back, diagnosis, the run summary, fit options.
+
+Every string that comes from outside (paths, variable names, process names, error messages,
+call source) is escaped in the HTML forms.
+"""
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import TYPE_CHECKING, Iterable
+
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from ..cleanup import FreeReport
+    from ..diagnose import Cause, Diagnosis, FitOption, RetryVerdict
+    from ..guard import AllocatorSetting, GiveBack, GuardReport, VariableUse
+    from ..preflight import FitCheck, Lint, Preflight
+
+_OPTION_LABELS = {
+    "bfloat16": "bf16/fp16",
+    "int8": "8-bit (bitsandbytes)",
+    "nf4": "4-bit nf4 (bitsandbytes)",
+    "device-map-auto": "spread over device + RAM",
+    "offload-folder": "spill the rest to disk",
+    "map-location-cpu": "load on CPU first",
+    "device-cpu": "load on CPU first",
+    "mmap": "memory-map the file",
+    "skip-optimizer": "model weights only",
+}
+_CAUSE_TITLES = {
+    "other-processes": "other processes hold memory",
+    "stale": "stale memory in this process",
+    "variables": "your variables hold memory",
+    "fragmentation": "fragmentation",
+    "too-big": "the load is too big",
+    "partial-load": "the failed load was given back",
+}
+
+
+# --------------------------------------------------------------------------- small pieces
+
+
+def size_literal(nbytes: int) -> str:
+    """A max_memory value accelerate reads, rounded down: '"8.2GiB"', '"512MiB"', '"96KiB"', or an int."""
+    if nbytes <= 0:
+        return "0"
+    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= factor:
+            if unit == "GiB":
+                value = math.floor(nbytes / factor * 10) / 10
+                text = f"{value:.1f}".rstrip("0").rstrip(".")
+            else:
+                text = str(nbytes // factor)
+            return f'"{text}{unit}"'
+    return str(nbytes)
+
+
+def _max_memory_literal(pairs: Iterable[tuple[int | str, int]]) -> str:
+    parts = [f"{key if isinstance(key, int) else repr(key).replace(chr(39), chr(34))}: {size_literal(b)}" for key, b in pairs]
+    return "{" + ", ".join(parts) + "}"
+
+
+def option_code(option: FitOption) -> str:
+    """The change to the load call, as code to paste."""
+    rest = f"torch.{option.dtype}" if option.dtype else "torch.bfloat16"
+    kind = option.kind
+    if kind == "bfloat16":
+        return "dtype=torch.bfloat16"
+    if kind == "int8":
+        return f"quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype={rest}"
+    if kind == "nf4":
+        return (f'quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
+                f"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype={rest}), dtype={rest}")
+    if kind == "device-map-auto":
+        return f'device_map="auto", max_memory={_max_memory_literal(option.max_memory)}'
+    if kind == "offload-folder":
+        return (f'device_map="auto", max_memory={_max_memory_literal(option.max_memory)}, '
+                f'offload_folder="{option.offload_folder or "offload"}"')
+    if kind == "map-location-cpu":
+        return 'map_location="cpu", weights_only=True (then move the model with .to(device))'
+    if kind == "device-cpu":
+        return 'device="cpu" (then move the model with .to(device))'
+    if kind == "mmap":
+        return 'map_location="cpu", weights_only=True, mmap=True'
+    if kind == "skip-optimizer":
+        key = f"[{option.key!r}]" if option.key else ""
+        return f'torch.load(path, map_location="cpu", weights_only=True, mmap=True){key}'
+    return kind
+
+
+def _option_sizes(option: FitOption, device: str) -> str:
+    parts = [f"{format_bytes(option.device_bytes)} on {device}"]
+    if option.cpu_bytes:
+        parts.append(f"{format_bytes(option.cpu_bytes)} in RAM")
+    if option.disk_bytes:
+        parts.append(f"{format_bytes(option.disk_bytes)} on disk")
+    return " + ".join(parts)
+
+
+def _verdict_word(fits: bool | None) -> str:
+    return "fits" if fits else "unknown" if fits is None else "too big"
+
+
+def option_rows(options: Iterable[FitOption], device: str) -> list[tuple[str, str, str, str]]:
+    """(label, sizes, fits, code) for each option."""
+    return [(_OPTION_LABELS.get(o.kind, o.kind), _option_sizes(o, device), _verdict_word(o.fits), option_code(o))
+            for o in options]
+
+
+def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]).rstrip() for r in rows]
+
+
+def lint_text(lint: Lint) -> str:
+    """One line: the problem with its sizes, then the fix."""
+    message = lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
+    tag = "note" if lint.severity == "info" else "lint"
+    return f"{tag} (line {lint.line}): {message} → {lint.fix}"
+
+
+def cleanup_line(report: FreeReport) -> str:
+    """What the cleanup before the load gave back."""
+    if report.freed_bytes == 0:
+        return f"cleanup: nothing stale to free on {report.device}"
+    kinds = ", ".join(f"{k} {format_bytes(b)}" for k, b in report.freed_by_kind if b)
+    return f"cleanup: freed {format_bytes(report.freed_bytes)} of stale memory on {report.device} ({kinds})"
+
+
+def allocator_line(setting: AllocatorSetting) -> str:
+    """What was done about expandable_segments ('' when there is nothing to say)."""
+    if setting.action == "set":
+        return (f"allocator: set {setting.variable}={setting.value} for this process "
+                "(applies when CUDA initializes; fewer fragmentation OOMs)")
+    if setting.action == "already-on":
+        return f"allocator: expandable_segments already on ({setting.variable}={setting.value})"
+    if setting.action == "user-off":
+        return f"allocator: you set expandable_segments:False in {setting.variable}; left as is"
+    if setting.action == "needs-restart":
+        return ("allocator: CUDA is already initialized, so expandable_segments cannot be turned on now; "
+                f"restart the kernel and run this cell first (or start Jupyter with "
+                f"{setting.variable}=expandable_segments:True)")
+    return ""
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+def cause_title(cause: Cause) -> str:
+    """A few words naming the cause."""
+    if cause.kind == "too-big" and "not-the-weights" in cause.flags:
+        return "one allocation is larger than this device"
+    return _CAUSE_TITLES.get(cause.kind, cause.kind)
+
+
+def _check_lines(check: FitCheck) -> list[str]:
+    call = check.call
+    where = f" → {call.target}" if call.target else ""
+    lines = [f"preflight (line {call.line}){where}: {call.source}"]
+    if check.parameters is not None:
+        as_what = f"as {check.dtype}" if check.dtype else "as stored"
+        lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
+                     f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
+    if check.verdict == "unknown":
+        lines.append(f"  not checked: {check.reason}")
+        return lines
+    if check.split:
+        places = " + ".join(f"{format_bytes(b)} {'RAM' if d == 'cpu' else d}" for d, b in check.split)
+        head = f"  device_map=\"auto\": {places} usable after headroom"
+    else:
+        free_word = "available" if check.device == "cpu" else "free"
+        head = f"  {check.device}: {format_bytes(check.free)} {free_word}"
+        if check.process_cap is not None:
+            head += f" to this process (capped at {format_bytes(check.process_cap)} by set_per_process_memory_fraction)"
+        if check.context:
+            head += f" − {format_bytes(check.context)} CUDA context (estimate; not initialized yet)"
+        head += f" − {format_bytes(check.headroom)} headroom = {format_bytes(check.budget)}"
+    if check.verdict == "fits":
+        lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare")
+    else:
+        short = -(check.margin or 0)
+        lines.append(f"{head} → WILL NOT FIT: needs {format_bytes(check.need)}, {format_bytes(short)} short")
+    if check.options:
+        lines.append("  ways to fit (sizes for this model on this machine):")
+        place = check.device if check.device != "auto" else next(
+            (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
+        lines += _table(option_rows(check.options, place), "    ")
+    return lines
+
+
+def preflight_text(preflight: Preflight) -> str:
+    """Every load with its fit verdict and options, then the lints."""
+    lines: list[str] = []
+    for check in preflight.checks:
+        lines += _check_lines(check)
+        lines += [f"  note: {n}" for n in check.call.notes]
+    lines += [lint_text(x) for x in preflight.lints]
+    lines += [f"preflight: {n}" for n in preflight.notes]
+    return "\n".join(lines)
+
+
+def refusal_line(preflight: Preflight) -> str:
+    """One line for --strict: which load will not fit, by how much, and the first option that fits."""
+    check = preflight.will_not_fit[0]
+    short = -(check.margin or 0)
+    first = next((o for o in check.options if o.fits), None)
+    hint = f"; {_OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
+    return (f"--strict: line {check.call.line} will not fit on {check.device}: needs {format_bytes(check.need)}, "
+            f"{format_bytes(short)} short{hint}")
+
+
+def preflight_html(preflight: Preflight) -> str:
+    """The preflight as HTML (escaped)."""
+    return f"<pre class='oom-preflight'>{escape(preflight_text(preflight))}</pre>"
+
+
+# --------------------------------------------------------------------------- diagnosis
+
+
+def _process_line(p, kernel: tuple[int, str | None, str] | None = None) -> str:
+    who = p.name or "?"
+    bits = [f"pid {p.pid} {who}"]
+    if p.user:
+        bits.append(f"user {p.user}")
+    if kernel is not None and kernel[1]:
+        bits.append(f"Jupyter kernel of {kernel[1]}")
+    elif p.is_jupyter_kernel or kernel is not None:
+        bits.append("Jupyter kernel")
+    text = ", ".join(bits) + f": {format_bytes(p.used_bytes)}"
+    if kernel is not None and kernel[2]:
+        return text + f" → another kernel of yours: {kernel[2]}"
+    if p.note == "another user's process":
+        return text + " → another user's: ask them, or choose a free GPU with CUDA_VISIBLE_DEVICES"
+    if p.is_jupyter_kernel:
+        return text + f" → another kernel of yours: shut it down (its notebook: Kernel ▸ Shut Down Kernel) or `kill {p.pid}`"
+    if p.name:
+        return text + f" → stop it if you do not need it: `kill {p.pid}`"
+    return text + f" → `nvidia-smi` shows it; `kill {p.pid}` if it is yours"
+
+
+def cause_text(cause: Cause, device: str = "the device") -> str:
+    """One cause: what, with its numbers, then what to do."""
+    f = cause.figure
+    kind = cause.kind
+    lines: list[str] = []
+    if kind == "other-processes":
+        if cause.processes:
+            lines.append(f"other processes hold {format_bytes(f('others'))} on {device}")
+            kernels = {k[0]: k for k in cause.kernels}
+            lines += ["   " + _process_line(p, kernels.get(p.pid)) for p in cause.processes]
+        else:
+            lines.append(f"other processes use {format_bytes(f('others'))} of this machine's "
+                         f"{format_bytes(f('total'))} RAM → close what you do not need")
+    elif kind == "stale":
+        lines.append(f"this process held {format_bytes(f('stale_given_back'))} of stale memory (stored tracebacks, "
+                     "output cache, garbage); it has now been freed")
+        if f("stale_freed_before"):
+            lines.append(f"   the cleanup before the load had already freed {format_bytes(f('stale_freed_before'))}")
+        lines.append("   → keep cleanup on (it is unless --no-cleanup); %freeall frees it any time")
+    elif kind == "variables":
+        held = ", ".join(f"`{name}` {format_bytes(b)}" for name, b in cause.holders)
+        names = " ".join(name for name, _ in cause.holders)
+        lines.append(f"your variables hold {format_bytes(f('held'))} on {device}: {held}")
+        lines.append(f"   → if you no longer need them: %freeall {names}  (deletes them and frees what only they hold)")
+    elif kind == "fragmentation":
+        cache, requested, block = f("cache"), f("requested"), f("largest_free_block")
+        if cache is not None and requested is not None and cache >= requested:
+            lines.append(f"{format_bytes(cache)} is reserved by PyTorch but unallocated — at least the "
+                         f"{format_bytes(requested)} asked for — yet no single free block is that large")
+        elif block is not None:
+            lines.append(f"the largest free block is {format_bytes(block)}, smaller than the {format_bytes(requested)} "
+                         f"asked for, while {format_bytes((cache or 0) + (f('free') or 0))} is free in all")
+        else:
+            lines.append(f"{format_bytes(cache)} is cached by PyTorch and {format_bytes(f('free'))} free on the device: "
+                         f"together enough for {format_bytes(requested)}, but split")
+        if "expandable-on" in cause.flags:
+            lines.append("   → expandable_segments is already on and the cache was emptied; if it persists, restart the kernel")
+        elif "cuda-initialized" in cause.flags:
+            lines.append("   → restart the kernel and run %%guardload first: it sets PYTORCH_CUDA_ALLOC_CONF="
+                         "expandable_segments:True before CUDA initializes")
+        else:
+            lines.append("   → set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA initializes")
+    elif kind == "too-big":
+        need, total = f("need"), f("total")
+        if "not-the-weights" in cause.flags:
+            lines.append(f"one allocation asked for {format_bytes(f('requested'))}: more than the whole checkpoint "
+                         f"({format_bytes(need)}) and more than {device} has in all ({format_bytes(total)})")
+            lines.append("   → it is not the weights that do not fit: look at what the cell allocates besides the "
+                         "load (a cache, a buffer, a batch)")
+        elif "over-capacity" in cause.flags and need is not None and "process-limit" in cause.flags:
+            lines.append(f"too big for what this process may use: the load needs {format_bytes(need)}, and "
+                         f"torch.cuda.set_per_process_memory_fraction lets it use {format_bytes(total)} of {device}")
+        elif "over-capacity" in cause.flags and need is not None:
+            lines.append(f"too big for {device}: the load needs {format_bytes(need)}, and {device} has "
+                         f"{format_bytes(total)} in all")
+        elif "over-capacity" in cause.flags:
+            lines.append(f"too big for {device}: one allocation asked for {format_bytes(f('requested'))}, and {device} "
+                         f"has {format_bytes(total)} in all")
+        else:
+            lines.append(f"the load needs {format_bytes(need)} and {format_bytes(f('free_before'))} was free before it")
+        if cause.options:
+            lines.append("   ways to fit (sizes for this model):")
+            lines += _table(option_rows(cause.options, device), "     ")
+    elif kind == "partial-load":
+        if f("given_back"):
+            lines.append(f"what the failed cell had allocated ({format_bytes(f('given_back'))}) was given back; "
+                         f"{format_bytes(f('free_now'))} is free now")
+            if f("still_held"):
+                lines.append(f"   {format_bytes(f('still_held'))} more that it allocated is still held (named above)")
+        else:
+            lines.append(f"what the failed cell loaded ({format_bytes(f('still_held'))}) is still held (named above), "
+                         f"so it was not given back; {format_bytes(f('free_now'))} is free now")
+            lines.append("   → if you will load again, del those variables first (or %freeall NAME)")
+        for option in cause.options:
+            lines.append(f"   → a retry with {_OPTION_LABELS.get(option.kind, option.kind)} "
+                         f"({format_bytes(option.device_bytes)}) fits now: {option_code(option)}")
+    return "\n".join(lines)
+
+
+def retry_text(verdict: RetryVerdict) -> str:
+    """Whether the same load can fit now, with the two figures."""
+    if verdict.reason == "unknown":
+        return "retry: not enough figures to say whether running the cell again would fit"
+    ok = "a retry can fit" if verdict.can_fit else "it would run out again"
+    return (f"retry: running the cell again needs at least {format_bytes(verdict.need)}; "
+            f"{format_bytes(verdict.free_now)} is free now → {ok}")
+
+
+def diagnosis_text(diagnosis: Diagnosis) -> str:
+    """The ranked causes with their numbers, then the retry verdict."""
+    d = diagnosis
+    head = f"diagnosis ({d.device})"
+    if d.requested is not None:
+        head += f": asked for {format_bytes(d.requested)}"
+        if d.free is not None:
+            head += f" with {format_bytes(d.free)} free"
+        if d.shortfall is not None:
+            head += f" — {format_bytes(d.shortfall)} short"
+    lines = [head]
+    if not d.causes:
+        lines.append("  no cause stands out in the figures")
+    for rank, cause in enumerate(d.causes, 1):
+        body = cause_text(cause, d.device).splitlines()
+        lines.append(f"  {rank}. {body[0]}")
+        lines += ["  " + line for line in body[1:]]
+    lines.append(retry_text(d.retry))
+    lines += [f"note: {n}" for n in d.notes]
+    return "\n".join(lines)
+
+
+def diagnosis_html(diagnosis: Diagnosis) -> str:
+    """The diagnosis as HTML (escaped text)."""
+    return f"<pre class='oom-diagnosis'>{escape(diagnosis_text(diagnosis))}</pre>"
+
+
+# --------------------------------------------------------------------------- give back, retry, short error
+
+
+def give_back_line(give_back: GiveBack, device: str) -> str:
+    """How much came back after the failure, and what is still held."""
+    g = give_back
+    parts = [f"give-back: cleared {g.frames_cleared} frame{'s' if g.frames_cleared != 1 else ''} of the error"]
+    if g.dropped_last_exception:
+        parts.append("dropped the stored exception (sys.last_*)")
+    freed = f"freed {format_bytes(g.failed_load_bytes)} of the failed load's tensors"
+    if g.stale_bytes:
+        freed += f" and {format_bytes(g.stale_bytes)} of stale ones"
+    parts.append(freed + f" on {device}")
+    line = "; ".join(parts)
+    a, b = g.at_failure, g.after
+    if a.process_used is not None and b.process_used is not None:
+        what = "resident memory" if device == "cpu" else "usage"
+        line += f"; this process's {what} {format_bytes(a.process_used)} → {format_bytes(b.process_used)}"
+    if g.reserved_freed:
+        line += f"; cache emptied ({format_bytes(g.reserved_freed)} back to the driver)"
+    if g.still_held_bytes:
+        holders = ", ".join(f"`{h}`" for h in g.still_held_by) or "something the walk could not name"
+        line += f"\n  still held: {format_bytes(g.still_held_bytes)} of the failed load, by {holders}"
+    return line
+
+
+def retry_line(verdict: RetryVerdict | None, number: int, total: int) -> str:
+    """What the guard does after a failed attempt when retries are allowed."""
+    if verdict is not None and verdict.can_fit:
+        return (f"retry {number + 1} of {total}: {format_bytes(verdict.free_now)} is free now and the cell needs at "
+                f"least {format_bytes(verdict.need)} — running it again")
+    return "no retry: " + (retry_text(verdict).removeprefix("retry: ") if verdict else "no diagnosis")
+
+
+def short_message(report: GuardReport) -> str:
+    """One line for the short exception: what ran out, how much came back, where the details are."""
+    oom = report.oom
+    if oom is not None and oom.requested is not None:
+        what = f"{report.device} out of memory: tried to allocate {format_bytes(oom.requested)}"
+        free = report.diagnosis.free if report.diagnosis else None
+        if free is not None:
+            what += f" with {format_bytes(free)} free"
+    else:
+        what = f"{report.device} out of memory: {(report.last.error or '').split(': ', 1)[-1][:160]}"
+    back = report.give_back.total if report.give_back else 0
+    top = report.diagnosis.top if report.diagnosis else None
+    cause = f"; most likely: {cause_title(top)}" if top is not None else ""
+    tries = f" after {len(report.attempts)} attempts" if len(report.attempts) > 1 else ""
+    return (f"{what}{tries} ({report.label} gave back {format_bytes(back)}{cause}; "
+            "traceback and diagnosis printed above)")
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def _variable_line(v: VariableUse) -> str:
+    where = " + ".join(f"{format_bytes(b)} on {d}" for d, b in v.by_device) or "0 B"
+    dtype = f" {v.dtype}" if v.dtype else ""
+    if len(v.by_device) == 1:
+        where = f"{format_bytes(v.bytes)}{dtype} on {v.by_device[0][0]}"
+    else:
+        where = f"{format_bytes(v.bytes)}{dtype} ({where})"
+    change = {"new": "new", "rebound": "reassigned", "grew": f"grew {format_bytes(v.delta, signed=True)}",
+              "shrank": f"shrank {format_bytes(v.delta, signed=True)}"}[v.change]
+    return f"{v.name}: {where} ({change})"
+
+
+def run_summary_text(report: GuardReport) -> str:
+    """The after-the-cell summary: time, delta, peak, the variables it made."""
+    r = report
+    if r.outcome == "oom":
+        return short_message(r)
+    if r.outcome == "error":
+        return f"{r.label}: the cell raised {r.last.error}"
+    tries = f" (attempt {len(r.attempts)})" if len(r.attempts) > 1 else ""
+    measure = "resident memory" if r.device == "cpu" else "allocated"
+    line = f"{r.label}: ran in {r.seconds:.2f} s{tries} on {r.device} · {measure} {format_bytes(r.delta, signed=True)}"
+    if r.tensor_delta is not None:
+        line += f" · tensors {format_bytes(r.tensor_delta, signed=True)}"
+    if r.peak.bytes is not None:
+        above = f" ({format_bytes(r.peak.above_start, signed=True)} above the start)" if r.peak.above_start is not None else ""
+        line += f" · peak {format_bytes(r.peak.bytes)}{above}"
+    else:
+        line += " · peak n/a"
+    lines = [line]
+    lines += ["  " + _variable_line(v) for v in r.variables]
+    lines.append(f"  peak: {r.peak.note}")
+    free_word = "available" if r.device == "cpu" else "free"
+    lines.append(f"  {r.device}: {format_bytes(r.after.free)} {free_word} now")
+    lines += [f"  note: {n}" for n in r.notes]
+    return "\n".join(lines)
+
+
+def guard_report_text(report: GuardReport) -> str:
+    """The whole story: cleanup, allocator, preflight, each attempt, the summary."""
+    r = report
+    lines: list[str] = []
+    if r.cleanup is not None:
+        lines.append(cleanup_line(r.cleanup))
+    allocator = allocator_line(r.allocator)
+    if allocator:
+        lines.append(allocator)
+    if r.preflight is not None and (r.preflight.calls or r.preflight.notes):
+        lines.append(preflight_text(r.preflight))
+    for attempt in r.attempts:
+        if attempt.outcome == "oom":
+            lines.append(f"attempt {attempt.number}: {attempt.error}")
+            if attempt.give_back is not None:
+                lines.append(give_back_line(attempt.give_back, r.device))
+            if attempt.diagnosis is not None:
+                lines.append(diagnosis_text(attempt.diagnosis))
+            if attempt.snapshot_file:
+                lines.append(f"allocator history: {attempt.snapshot_file}")
+    if r.snapshot and not any(a.snapshot_file for a in r.attempts):
+        lines.append(f"snapshot: {r.snapshot}")
+    lines.append(run_summary_text(r))
+    return "\n".join(lines)
+
+
+def guard_report_html(report: GuardReport) -> str:
+    """The run summary as HTML, with the full story in a collapsed block (all text escaped)."""
+    r = report
+    rows = "".join(
+        f"<tr><td><code>{escape(v.name)}</code></td><td>{escape(format_bytes(v.bytes))}</td>"
+        f"<td>{escape(v.dtype or '')}</td><td>{escape(', '.join(d for d, _ in v.by_device))}</td>"
+        f"<td>{escape(v.change)}</td></tr>" for v in r.variables)
+    table = (f"<table class='oom-table'><thead><tr><th>variable</th><th>bytes</th><th>dtype</th><th>device</th>"
+             f"<th>change</th></tr></thead><tbody>{rows}</tbody></table>") if rows else ""
+    head = run_summary_text(r).splitlines()[0]
+    return (f"<div class='oom-guard'><b>{escape(head)}</b>{table}"
+            f"<details><summary>details</summary><pre>{escape(guard_report_text(r))}</pre></details></div>")

@@ -1,0 +1,523 @@
+"""Notice cheaply whether a cell changed the watched device's memory, and keep one record per cell.
+
+Pure logic: no IPython, no ipywidgets, and torch only when the user already imported it
+(``_torch.loaded_torch``). When torch is not imported, ``Watcher`` does nothing at all.
+
+How "nothing changed" is told without a heap scan (each reading costs microseconds):
+
+- CUDA, once ``torch.cuda.is_initialized()``: the caching allocator's own counters (allocated,
+  reserved, and the allocated high-water mark) from one ``memory_stats_as_nested_dict`` call.
+  Before CUDA is initialized PyTorch holds nothing on a GPU, so the watched device is then cpu.
+- MPS: ``torch.mps.current_allocated_memory`` / ``driver_allocated_memory``.
+- cpu: PyTorch's CPU allocator keeps no statistics, so two signals stand in for one: the
+  process's resident set (``/proc/self/statm``, psutil elsewhere) and the storage bytes of the
+  tensors and ``nn.Module``s bound directly to variables in the user namespace. It sees
+  ``x = torch.empty(...)`` (no page touched, so RSS does not move) and ``del model``; RSS sees what
+  sits inside containers or changes in place. The namespace is not walked each cell (IPython adds
+  an ``_iN`` entry per cell, so it grows with the session): the names checked are those already
+  holding tensors, the keys added since the last cell (a dict keeps insertion order, so they sit
+  at its end) and the names the cell's source mentions (the only ones a cell can rebind, barring
+  a function that assigns a global it does not name; RSS still sees those when pages are touched).
+  Storage sizes are read for tensors each time, for modules only when the variable is (re)bound.
+
+Thresholds: a cell "changed" memory when a figure moved by at least ``Thresholds.gpu`` (1 MiB)
+on a GPU, or ``Thresholds.cpu`` (16 MiB) on cpu, in either direction.
+
+Per-cell peak, when known: the allocator's high-water mark (cpu: the peak resident set,
+``ru_maxrss``) is read before and after each cell and never reset (resetting it would change
+what ``torch.cuda.max_memory_allocated()`` tells the user). If the mark rose during the cell, the
+new mark is the cell's peak; if it did not rise and equals the higher of the levels before and
+after, that is the peak; otherwise the cell's peak is unknown (None).
+
+``%%guardload`` cells: the guard engine calls ``mark_cell(label, oom=...)`` while its cell runs;
+the record of that cell carries the label (the timeline writes it) and, with ``oom=True``, counts
+as an out-of-memory cell even when the guard recovered (the widget is shown for it).
+
+History: one ``CellRecord`` per executed non-silent cell while torch is imported, in a deque capped
+at ``history_limit`` records (oldest dropped first).
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+import weakref
+from collections import deque
+from dataclasses import dataclass, replace
+from itertools import islice
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from ._torch import cuda_initialized, loaded_torch
+
+if TYPE_CHECKING:
+    from .cleanup import FreeReport
+    from .snapshot import Snapshot
+
+__all__ = ["CellChange", "CellRecord", "CellReport", "Probe", "Thresholds", "WatchStatus", "Watcher",
+           "cell_peak", "mark_cell"]
+
+GPU_THRESHOLD = 1 << 20
+CPU_THRESHOLD = 16 << 20
+_NAME = re.compile(r"[^\W\d]\w*")  # identifiers a cell's source mentions
+_TAIL_KEYS = 16
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """How far a figure must move in one cell to count as a change (int bytes)."""
+
+    gpu: int = GPU_THRESHOLD
+    cpu: int = CPU_THRESHOLD
+
+    def for_device(self, device: str) -> int:
+        """The threshold that applies on ``device``."""
+        return self.cpu if device == "cpu" else self.gpu
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A cheap reading of the watched device (no heap scan); int bytes, None where not read.
+
+    On a GPU: ``allocated``/``reserved`` from the allocator, ``high_water`` its allocated peak.
+    On cpu: ``rss`` the resident set, ``high_water`` the peak resident set.
+    """
+
+    device: str
+    allocated: int | None = None
+    reserved: int | None = None
+    high_water: int | None = None
+    rss: int | None = None
+
+    @property
+    def level(self) -> int | None:
+        """The figure the delta and the peak are about: allocated on a GPU, RSS on cpu."""
+        return self.rss if self.device == "cpu" else self.allocated
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """One executed cell on the timeline: the watched device's figures after it (int bytes)."""
+
+    execution_count: int | None
+    device: str
+    allocated: int | None       # GPU: bytes in live tensors (allocator); None on cpu
+    reserved: int | None        # GPU: allocated + the allocator's cache; None on cpu
+    peak: int | None            # GPU: highest allocated during the cell; cpu: highest RSS; None if unknown
+    rss: int | None             # cpu: process resident set after the cell; None on a GPU
+    tensor_bytes: int | None    # bytes of live tensors the scan after this cell found; None without a scan
+    oom: bool                   # the cell raised (or the guard caught) an out-of-memory error
+    label: str | None           # %%guardload cells: the guard's label
+    changed: bool               # a figure moved by at least the threshold
+
+
+@dataclass(frozen=True)
+class CellChange:
+    """What one cell did to the watched device, from the cheap readings alone."""
+
+    record: CellRecord
+    before: Probe | None        # None: no reading before this cell (torch or the extension just arrived)
+    after: Probe
+    delta: int | None           # change of Probe.level (allocated on a GPU, RSS on cpu)
+    variable_delta: int | None  # cpu: change of tensor bytes bound to variables
+    peak_delta: int | None      # the cell's peak above the level before it, when known
+    reasons: tuple[str, ...]    # figures that moved past the threshold: allocated, reserved, rss, variables
+    variable_bytes: int | None = None  # cpu: tensor bytes bound to variables after the cell
+
+    @property
+    def changed(self) -> bool:
+        """Whether a figure moved by at least the threshold."""
+        return self.record.changed
+
+    @property
+    def oom(self) -> bool:
+        """Whether the cell ran out of memory."""
+        return self.record.oom
+
+    @property
+    def device(self) -> str:
+        """The watched device."""
+        return self.record.device
+
+    @property
+    def execution_count(self) -> int | None:
+        """The cell's execution count (None for cells run without history)."""
+        return self.record.execution_count
+
+
+@dataclass(frozen=True)
+class CellReport:
+    """What the after-cell widget shows: the cell's change, a snapshot after it, and a cleanup's result.
+
+    ``change`` is None for a view not tied to a cell (the pinned widget before its first update).
+    """
+
+    change: CellChange | None
+    snapshot: Snapshot
+    freed: FreeReport | None = None
+
+
+@dataclass(frozen=True)
+class WatchStatus:
+    """The after-cell display's settings and state, as ``%gpumem --auto/--pin`` report them."""
+
+    mode: str                   # changes | always | off
+    pinned: bool
+    enabled: bool               # False after a hook error, until %gpumem --auto re-enables it
+    thresholds: Thresholds
+    live_widgets: int           # how many per-cell widgets stay live before older ones freeze
+    cells_recorded: int
+
+    def __str__(self) -> str:
+        from .render.cell import watch_status_text
+
+        return watch_status_text(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def cell_peak(level_before: int | None, high_before: int | None, level_after: int | None,
+              high_after: int | None) -> int | None:
+    """The highest level during a cell, from the high-water mark before and after it; None if unknown."""
+    if high_after is None or high_before is None or level_after is None:
+        return None
+    if high_after > high_before:
+        # The mark rose in this cell: the new mark is this cell's (never below where it ended).
+        return max(high_after, level_after)
+    if high_after == high_before and level_before is not None and high_before == max(level_before, level_after):
+        return high_before  # the mark sits at a level the cell had: nothing went higher
+    return None
+
+
+# The watcher of the loaded extension, for mark_cell; set by activate(), cleared by deactivate().
+_active: Watcher | None = None
+
+
+def mark_cell(label: str | None = None, *, oom: bool = False) -> bool:
+    """Label the running cell on the timeline (and flag an out-of-memory error the guard caught).
+
+    Called by ``%%guardload`` while its cell runs; the label shows on ``%gpumem --plot`` and
+    ``oom=True`` makes the cell count as an out-of-memory cell (the widget is shown for it).
+    Returns False, doing nothing, when the extension is not loaded.
+    """
+    watcher = _active
+    if watcher is None:
+        return False
+    watcher.mark(label, oom=oom)
+    return True
+
+
+def activate(watcher: Watcher) -> None:
+    """Make ``watcher`` the one ``mark_cell`` reports to (the extension calls this on load)."""
+    global _active
+    _active = watcher
+
+
+def deactivate(watcher: Watcher) -> None:
+    """Stop ``mark_cell`` reporting to ``watcher`` (the extension calls this on unload)."""
+    global _active
+    if _active is watcher:
+        _active = None
+
+
+class Watcher:
+    """Read the watched device before and after each cell; decide whether it changed; keep history."""
+
+    def __init__(self, *, history_limit: int = 10_000, probe: Any | None = None) -> None:
+        # ``probe(torch) -> Probe`` reads the device; tests pass fakes for absent GPUs.
+        self.history: deque[CellRecord] = deque(maxlen=max(int(history_limit), 1))
+        self._probe = probe if probe is not None else self.read
+        self._before: Probe | None = None
+        self._last_variable_bytes: int | None = None
+        self._pending_label: str | None = None
+        self._pending_oom = False
+        self._rss = _ResidentSet()
+        self._bound = _BoundTensors()
+        self._mps: bool | None = None
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read(self, torch: ModuleType) -> Probe:
+        """Read the watched device cheaply: allocator counters on a GPU, the resident set on cpu."""
+        if cuda_initialized():
+            index = int(torch.cuda.current_device())
+            stats = torch.cuda.memory_stats_as_nested_dict(index)
+            return Probe(f"cuda:{index}", _stat(stats, "allocated_bytes", "current"),
+                         _stat(stats, "reserved_bytes", "current"), _stat(stats, "allocated_bytes", "peak"))
+        if self._mps is None:
+            self._mps = _mps_available(torch)
+        if self._mps:
+            return Probe("mps", int(torch.mps.current_allocated_memory()), int(torch.mps.driver_allocated_memory()))
+        return Probe("cpu", rss=self._rss.current(), high_water=_peak_rss())
+
+    # -- the two hooks ---------------------------------------------------------------------------
+    def before_cell(self) -> None:
+        """Take the reading a cell is compared with (nothing when torch is not imported)."""
+        torch = loaded_torch()
+        if torch is None:
+            self._before = None
+            return
+        self._before = self._probe(torch)
+
+    def after_cell(self, execution_count: int | None, error: BaseException | None = None,
+                   namespace: dict | None = None, thresholds: Thresholds = Thresholds(),
+                   source: str | None = None) -> CellChange | None:
+        """Compare the device with the reading before the cell and record the cell; None without torch.
+
+        ``source`` is the cell's text: only names it mentions (and new keys) are re-checked in
+        ``namespace``; without it every key is.
+        """
+        torch = loaded_torch()
+        before, self._before = self._before, None
+        label, self._pending_label = self._pending_label, None
+        forced_oom, self._pending_oom = self._pending_oom, False
+        if torch is None:
+            return None
+        after = self._probe(torch)
+        oom = forced_oom or (error is not None and _is_oom(error))
+        if before is not None and before.device != after.device:
+            # CUDA came up during the cell: PyTorch held nothing on the GPU before it. Any other
+            # switch (torch.cuda.set_device) leaves nothing to compare with.
+            came_up = after.device.startswith("cuda") and not before.device.startswith("cuda")
+            before = Probe(after.device, 0, 0, 0) if came_up else None
+        threshold = thresholds.for_device(after.device)
+        delta = _diff(after.level, before.level) if before is not None else None
+        reasons = []
+        if before is not None:
+            if after.device == "cpu":
+                if delta is not None and abs(delta) >= threshold:
+                    reasons.append("rss")
+            else:
+                if delta is not None and abs(delta) >= threshold:
+                    reasons.append("allocated")
+                reserved = _diff(after.reserved, before.reserved)
+                if reserved is not None and abs(reserved) >= threshold:
+                    reasons.append("reserved")
+        variable_bytes = variable_delta = None
+        if after.device == "cpu" and namespace is not None:
+            variable_bytes = self._bound.total(namespace, torch, source)
+            if self._last_variable_bytes is not None:
+                variable_delta = variable_bytes - self._last_variable_bytes
+                if abs(variable_delta) >= threshold:
+                    reasons.append("variables")
+            self._last_variable_bytes = variable_bytes
+        peak = None
+        if before is not None:
+            peak = cell_peak(before.level, before.high_water, after.level, after.high_water)
+        peak_delta = _diff(peak, before.level) if before is not None else None
+        record = CellRecord(
+            execution_count=execution_count, device=after.device, allocated=after.allocated,
+            reserved=after.reserved, peak=peak, rss=after.rss, tensor_bytes=None, oom=oom,
+            label=label, changed=bool(reasons),
+        )
+        self.history.append(record)
+        return CellChange(record, before, after, delta, variable_delta, peak_delta, tuple(reasons), variable_bytes)
+
+    # -- annotations -----------------------------------------------------------------------------
+    def mark(self, label: str | None, *, oom: bool = False) -> None:
+        """Label the running cell (see ``mark_cell``)."""
+        if label is not None:
+            self._pending_label = str(label)
+        self._pending_oom = self._pending_oom or bool(oom)
+
+    def note_scan(self, snap: Snapshot, record: CellRecord | None = None) -> CellRecord | None:
+        """Store the tensor bytes a scan after a cell found in that cell's record (default: the last)."""
+        if not self.history:
+            return None
+        target = record if record is not None else self.history[-1]
+        if self.history[-1] is not target or snap.device != target.device:
+            return None
+        updated = replace(target, tensor_bytes=snap.tracked_bytes)
+        self.history[-1] = updated
+        return updated
+
+    def records(self, device: str | None = None) -> tuple[CellRecord, ...]:
+        """The history, oldest first (only ``device``'s cells when given)."""
+        return tuple(r for r in self.history if device is None or r.device == device)
+
+    def close(self) -> None:
+        """Release the open /proc file."""
+        self._rss.close()
+
+
+def _stat(stats: dict, name: str, which: str) -> int | None:
+    try:
+        return int(stats[name]["all"][which])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _diff(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
+
+
+def _is_oom(error: BaseException) -> bool:
+    from .oom import is_out_of_memory
+
+    return is_out_of_memory(error)
+
+
+def _mps_available(torch: ModuleType) -> bool:
+    try:
+        return bool(torch.backends.mps.is_available())
+    except Exception:
+        return False
+
+
+def _peak_rss() -> int | None:
+    """The process's peak resident set (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+class _ResidentSet:
+    """The process's resident set in ~2 µs from /proc/self/statm (psutil where there is no /proc)."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._pid: int | None = None
+        self._page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self._psutil: Any | None = None
+
+    def current(self) -> int | None:
+        pid = os.getpid()
+        if self._pid != pid:  # first use, or a forked child: its own /proc/self
+            self.close()
+            self._pid = pid
+            try:
+                self._fd = os.open(f"/proc/{pid}/statm", os.O_RDONLY)
+            except OSError:
+                self._fd = None
+        if self._fd is not None:
+            try:
+                return int(os.pread(self._fd, 128, 0).split()[1]) * self._page
+            except (OSError, IndexError, ValueError):
+                pass
+        try:
+            if self._psutil is None:
+                import psutil
+
+                self._psutil = psutil.Process()
+            return int(self._psutil.memory_info().rss)
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = None
+        self._pid = None
+
+
+class _BoundTensors:
+    """Storage bytes of the cpu tensors and nn.Modules bound directly to namespace variables.
+
+    Incremental (see the module docstring): it re-checks the names already holding tensors, the
+    keys added at the dict's end since the last call and the names ``source`` mentions, so a
+    trivial cell costs microseconds however long the session. Values are selected by ``type(v)``
+    against a per-type cache (never ``isinstance`` on arbitrary objects), storages count once
+    however many variables share them, and no strong reference outlives a call: modules' storages
+    are cached behind a weak reference.
+    """
+
+    def __init__(self) -> None:
+        self._kinds: dict[type, int] = {}  # type -> 0 not tensor-ish, 1 tensor, 2 module
+        self._tracked: dict[Any, int] = {}  # namespace key -> kind, for keys holding tensors/modules
+        self._tail: frozenset = frozenset()  # the last keys of the namespace at the previous call
+        self._namespace_id: int | None = None
+        self._modules: dict[int, tuple[Any, dict[int, int]]] = {}
+
+    def total(self, namespace: dict, torch: ModuleType, source: str | None = None) -> int:
+        if id(namespace) != self._namespace_id:
+            self._namespace_id, self._tracked, self._tail = id(namespace), {}, frozenset()
+        tracked = self._tracked
+        for key in self._candidates(namespace, source):
+            kind = self._kind(type(dict.get(namespace, key)), torch)
+            if kind:
+                tracked[key] = kind
+        storages: dict[int, int] = {}
+        modules: dict[int, tuple[Any, dict[int, int]]] = {}
+        for key in list(tracked):
+            value = dict.get(namespace, key)
+            kind = self._kind(type(value), torch)
+            if not kind:  # deleted, or rebound to something else
+                del tracked[key]
+            elif kind == 1:
+                _add_storage(value, storages)
+            else:
+                cached = self._modules.get(id(value))
+                if cached is None or cached[0]() is not value:
+                    cached = (_weak(value), _module_storages(value, torch))
+                modules[id(value)] = cached
+                storages.update(cached[1])
+        self._modules = modules
+        self._tail = frozenset(islice(reversed(namespace), _TAIL_KEYS))
+        return sum(storages.values())
+
+    def _candidates(self, namespace: dict, source: str | None) -> Any:
+        """Keys that may have been bound since the last call."""
+        if not self._tail or source is None:
+            return list(namespace)
+        added = []
+        for key in reversed(namespace):  # new keys sit at the end; stop at one seen last time
+            if key in self._tail:
+                break
+            added.append(key)
+        mentioned = {name for name in set(_NAME.findall(source)) if name in namespace}
+        return mentioned.union(added)
+
+    def _kind(self, cls: type, torch: ModuleType) -> int:
+        kind = self._kinds.get(cls)
+        if kind is None:
+            kind = self._kinds[cls] = _kind(cls, torch)
+        return kind
+
+
+def _kind(cls: type, torch: ModuleType) -> int:
+    try:
+        if issubclass(cls, torch.Tensor):
+            return 1
+        if issubclass(cls, torch.nn.Module):
+            return 2
+    except Exception:
+        pass
+    return 0
+
+
+def _weak(obj: object) -> Any:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: None  # cannot be weakly referenced: re-read next time
+
+
+def _add_storage(tensor: Any, storages: dict[int, int]) -> None:
+    try:
+        if tensor.is_meta or not tensor.is_cpu:
+            return
+        storage = tensor.untyped_storage()
+        nbytes, pointer = int(storage.nbytes()), int(storage.data_ptr())
+        if nbytes and pointer:
+            storages[pointer] = nbytes
+    except Exception:
+        return  # wrapper subclasses without a storage of their own
+
+
+def _module_storages(module: Any, torch: ModuleType) -> dict[int, int]:
+    storages: dict[int, int] = {}
+    try:
+        Module = torch.nn.Module
+        for tensor in Module.parameters(module):
+            _add_storage(tensor, storages)
+        for tensor in Module.buffers(module):
+            _add_storage(tensor, storages)
+    except Exception:
+        pass
+    return storages

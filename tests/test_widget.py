@@ -1,0 +1,262 @@
+"""Tests for the memory widget under cells: when it shows, what it says, its button, its lifetime.
+
+A real IPython shell (the ``ip`` fixture), real torch CPU tensors and real ipywidgets objects
+(no frontend: children values, captions, button state and ``button.click()`` are checked
+directly). There is no GPU here, so the CUDA caption and the other-processes table are checked on
+a FAKE snapshot built from the real record types with made-up figures (``fake_gpu_report``).
+"""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+from oom_magic.devices import DeviceReading
+from oom_magic.processes import ProcessInfo
+from oom_magic.snapshot import Snapshot
+from oom_magic.tracker import StorageRecord
+from oom_magic.watch import CellChange, CellRecord, CellReport, Probe
+from oom_magic.widget import WIDGET_VIEW_MIME, CellWatch, MemoryWidget
+
+MiB = 1 << 20
+GiB = 1 << 30
+XSS = "<img src=x onerror=alert(1)>"
+XSS_ESCAPED = "&lt;img src=x onerror=alert(1)&gt;"
+
+
+@pytest.fixture
+def watch(ip):
+    """The loaded extension's CellWatch, torch imported in the shell, settings restored afterwards."""
+    magics = ip.magics_manager.registry["OomMagics"]
+    ip.run_cell("import torch", store_history=True)
+    yield magics.cell_watch
+    for name in ("auto_display", "live_widgets", "cpu_change_threshold", "gpu_change_threshold"):
+        ip.config.OomMagics.pop(name, None)
+
+
+def run(ip, src: str):
+    result = ip.run_cell(src, store_history=True)
+    return result
+
+
+def fake_gpu_report(stale: int = int(1.2 * GiB), process_name: str = "python") -> CellReport:
+    """FAKE CUDA snapshot (no GPU here): real record types, figures from the issue's example."""
+    reading = DeviceReading(
+        device="cuda:0", name="NVIDIA Fake", total=int(15.78 * GiB), free=int(1.58 * GiB), used=int(14.2 * GiB),
+        process_used=int(13.9 * GiB), allocated=int(13.0 * GiB), reserved=int(13.5 * GiB),
+        peak_allocated=int(13.1 * GiB),
+        processes=(ProcessInfo(4242, 300 * MiB, process_name, "me", True, False, None),),
+    )
+    storages = (
+        StorageRecord(1, "cuda:0", int(11.8 * GiB), "bfloat16", (32000, 4096), 1, "user", "model.lm_head.weight"),
+        StorageRecord(2, "cuda:0", stale, "float32", (1024, 1024), 1, "output-cache", f"Out[3]['{XSS}']"),
+    )
+    snap = Snapshot("cuda:0", reading, storages, (("user", int(11.8 * GiB)), ("output-cache", stale)),
+                    0.01, 1000, True)
+    record = CellRecord(4, "cuda:0", int(13.0 * GiB), int(13.5 * GiB), int(13.5 * GiB), None, None, False,
+                        None, True)
+    change = CellChange(record, Probe("cuda:0", int(0.4 * GiB), int(0.5 * GiB), int(0.4 * GiB)),
+                        Probe("cuda:0", int(13.0 * GiB), int(13.5 * GiB), int(13.5 * GiB)),
+                        int(12.6 * GiB), None, int(13.1 * GiB), ("allocated", "reserved"))
+    return CellReport(change, snap)
+
+
+def test_a_cell_that_changes_memory_gets_a_widget(ip, watch) -> None:
+    run(ip, "x = torch.ones(16 << 20)")
+    assert len(watch.live) == 1
+    w = watch.live[0]
+    caption = w.caption.value
+    assert caption.startswith("cpu · ") and " GiB used · " in caption
+    assert "this cell RSS +" in caption and "variables +64.00 MiB" in caption
+    assert caption.endswith("stale 0 B")
+    assert "oom-seg-user" in w.bar.value and "user: 64.00 MiB" in w.bar.value
+    assert "<code>x</code>" in w.details_body.value and "64.00 MiB" in w.details_body.value
+    assert w.details.selected_index is None  # details start collapsed
+    assert w.button.layout.display == "none"  # nothing stale: no button
+    record = watch.watcher.history[-1]
+    assert record.changed and record.tensor_bytes is not None and record.tensor_bytes >= 64 * MiB
+    assert w.report.change.execution_count == record.execution_count
+
+
+def test_a_cell_that_changes_nothing_gets_none(ip, watch) -> None:
+    run(ip, "x = torch.ones(16 << 20)")
+    shown = list(watch.live)
+    run(ip, "y = 1")
+    assert watch.live == shown
+    last = watch.watcher.history[-1]
+    assert last.changed is False and last.tensor_bytes is None  # no scan when nothing changed
+
+
+def test_free_stale_button_frees_and_updates_in_place(ip, watch) -> None:
+    run(ip, "x = torch.ones(16 << 20)")
+    kept = ip.user_ns["x"]
+    run(ip, "torch.ones(16 << 20) * 2")  # only the output cache holds this one
+    count = ip.execution_count - 1
+    w = watch.live[-1]
+    assert w.report.snapshot.stale_bytes == 64 * MiB
+    assert "stale 64.00 MiB" in w.caption.value
+    assert w.button.description == "Free stale tensors (64.00 MiB)"
+    assert w.button.layout.display is None and not w.button.disabled
+    seen: list[bool] = []
+    w.button.observe(lambda change: seen.append(change["new"]), "disabled")
+    w.button.click()
+    assert seen == [True, False]  # disabled while it ran
+    assert watch.live[-1] is w  # the same widget, updated in place
+    assert "stale 0 B" in w.caption.value and w.caption.value.endswith("freed 64.00 MiB")
+    assert "freed 64.00 MiB (output-cache 64.00 MiB)" in w.status.value
+    assert w.button.layout.display == "none"
+    assert w.report.freed is not None and w.report.freed.freed_bytes == 64 * MiB
+    assert ip.user_ns["x"] is kept  # a user variable is never touched
+    assert count not in ip.user_ns["Out"]
+
+
+def test_a_button_failure_is_shown_in_the_widget_not_raised(ip, watch) -> None:
+    def failing_free(device):
+        """FAKE cleanup failure."""
+        raise RuntimeError("boom <b>")
+
+    w = MemoryWidget(fake_gpu_report(), free=failing_free)
+    w.button.click()
+    assert w.status.value == "could not free stale tensors: RuntimeError: boom &lt;b&gt;"
+    assert not w.button.disabled and w.button.layout.display is None
+    assert w.button.description == "Free stale tensors (1.20 GiB)"
+
+
+def test_gpu_caption_reads_like_the_issue_example() -> None:
+    w = MemoryWidget(fake_gpu_report(), free=lambda device: (_ for _ in ()).throw(AssertionError))
+    assert w.caption.value == ("cuda:0 · 14.20 GiB / 15.78 GiB used · this cell +12.60 GiB "
+                               "(peak +13.10 GiB) · stale 1.20 GiB")
+    assert w.button.description == "Free stale tensors (1.20 GiB)"
+    assert "Jupyter kernel" in w.details_body.value and "4242" in w.details_body.value
+    for key in ("user", "stale", "cache", "context", "free"):
+        assert f"oom-seg-{key}" in w.bar.value
+    w.close()
+
+
+def test_the_mimebundle_keeps_text_and_static_html_beside_the_widget_view(ip, watch) -> None:
+    run(ip, "x = torch.ones(16 << 20)")
+    w = watch.live[-1]
+    bundle = w._repr_mimebundle_()
+    assert bundle[WIDGET_VIEW_MIME]["model_id"] == w.box.model_id
+    assert bundle["text/plain"].splitlines()[0] == w.caption.value
+    assert "x  64.00 MiB  user" in bundle["text/plain"].replace("   ", "  ")
+    html = bundle["text/html"]
+    assert "<details><summary>details</summary>" in html and "oom-bar" in html
+    assert w.caption.value.replace("·", "·") in html
+    assert repr(w).startswith("<MemoryWidget In [") and "live" in repr(w)
+
+
+def test_outside_strings_stay_escaped(ip, watch) -> None:
+    run(ip, f"d = {{{XSS!r}: torch.ones(16 << 20)}}")
+    w = watch.live[-1]
+    for html in (w.details_body.value, w._repr_mimebundle_()["text/html"]):
+        assert XSS_ESCAPED in html and XSS not in html
+    fake = MemoryWidget(fake_gpu_report(process_name=XSS), free=None)
+    for html in (fake.details_body.value, fake._repr_mimebundle_()["text/html"], fake.bar.value):
+        assert XSS not in html
+    assert fake.details_body.value.count(XSS_ESCAPED) == 2  # holder path and process name
+    assert fake.button.layout.display == "none"  # no cleanup action: no button
+    fake.close()
+
+
+def test_an_out_of_memory_cell_always_gets_the_widget(ip, watch) -> None:
+    ip.magics_manager.registry["OomMagics"].cpu_change_threshold = 1 << 40  # nothing else would count
+    result = run(ip, "torch.empty(1 << 50, dtype=torch.uint8)")
+    assert result.error_in_exec is not None
+    assert len(watch.live) == 1
+    w = watch.live[0]
+    assert "out of memory" in w.caption.value
+    assert watch.watcher.history[-1].oom and not watch.watcher.history[-1].changed
+
+
+def test_auto_modes(ip, watch) -> None:
+    magics = ip.magics_manager.registry["OomMagics"]
+    status = ip.run_line_magic("gpumem", "--auto off")
+    assert status.mode == "off" and magics.auto_display == "off"
+    assert "after-cell memory view: off" in str(status)
+    recorded = len(watch.watcher.history)
+    run(ip, "x = torch.ones(16 << 20)")
+    assert watch.live == [] and len(watch.watcher.history) == recorded + 1  # history still kept
+    run(ip, "torch.empty(1 << 50, dtype=torch.uint8)")
+    assert watch.live == []  # off means off, out-of-memory cells included
+    ip.run_line_magic("gpumem", "--auto ALWAYS")
+    assert magics.auto_display == "always"
+    run(ip, "y = 1")
+    assert len(watch.live) == 1
+    ip.run_line_magic("config", "OomMagics.auto_display = 'off'")
+    assert magics.auto_display == "off"
+    with pytest.raises(UsageError, match="invalid choice"):
+        ip.run_line_magic("gpumem", "--auto sometimes")
+
+
+def test_pin_shows_one_live_widget_that_follows_the_cells(ip, watch) -> None:
+    status = ip.run_line_magic("gpumem", "--pin")
+    assert status.pinned and "pinned widget" in str(status)
+    pinned = watch.pinned
+    assert pinned is not None and pinned.caption.value.startswith("cpu · ")
+    run(ip, "x = torch.ones(16 << 20)")
+    count = ip.execution_count - 1
+    assert watch.live == []  # no per-cell widget while pinned
+    assert pinned.caption.value.startswith(f"In [{count}] · cpu · ")
+    assert "variables +64.00 MiB" in pinned.caption.value
+    run(ip, "y = 1")
+    assert pinned.caption.value.startswith(f"In [{count}] · ")  # nothing changed: left as it was
+    ip.run_line_magic("gpumem", "--auto changes")
+    assert watch.pinned is None and pinned.closed
+
+
+def test_live_widgets_are_capped_and_old_ones_freeze_to_static_html(ip, watch) -> None:
+    ip.magics_manager.registry["OomMagics"].live_widgets = 2
+    watch.update_outputs = True  # as in a kernel: rewrite frozen outputs
+    with capture_output() as captured:
+        for i in range(4):
+            run(ip, f"t{i} = torch.ones(16 << 20)")
+    shown = [o for o in captured.outputs if WIDGET_VIEW_MIME in o.data]
+    assert len(shown) == 4
+    assert len(watch.live) == 2
+    frozen = [o for o in captured.outputs if getattr(o, "update", False)]
+    assert len(frozen) == 2
+    for output in frozen:
+        assert set(output.data) == {"text/plain", "text/html"}
+        assert output.data["text/plain"].startswith("cpu · ")
+    first_id = shown[0].transient["display_id"]
+    assert frozen[0].transient["display_id"] == first_id
+    assert "t0" in frozen[0].data["text/html"]  # the first cell's own state, not a later one
+
+
+def test_an_earlier_widget_keeps_its_cells_state(ip, watch) -> None:
+    run(ip, "a = torch.ones(16 << 20)")
+    first = watch.live[-1]
+    caption = first.caption.value
+    run(ip, "b = torch.ones(32 << 20)")
+    assert watch.live[-1] is not first
+    assert first.caption.value == caption and "variables +64.00 MiB" in caption
+    assert "variables +128.00 MiB" in watch.live[-1].caption.value
+
+
+def test_zero_live_widgets_shows_static_html_only(ip, watch) -> None:
+    ip.magics_manager.registry["OomMagics"].live_widgets = 0
+    with capture_output() as captured:
+        run(ip, "x = torch.ones(16 << 20)")
+    assert watch.live == []
+    assert len(captured.outputs) == 1
+    assert set(captured.outputs[0].data) == {"text/plain", "text/html"}
+    assert "variables +64.00 MiB" in captured.outputs[0].data["text/plain"]
+
+
+def test_frozen_widgets_close_every_model(ip, watch) -> None:
+    import ipywidgets.widgets.widget as widget_module
+
+    before = set(widget_module._instances)
+    w = MemoryWidget(fake_gpu_report(), free=None)
+    created = set(widget_module._instances) - before
+    assert len(created) >= 8
+    w.close()
+    assert not (set(widget_module._instances) & created)
+    assert w.closed and WIDGET_VIEW_MIME not in w._repr_mimebundle_()
+    assert "text/html" in w._repr_mimebundle_()
+
+
+def test_cell_watch_is_the_registered_one(ip, watch) -> None:
+    assert isinstance(watch, CellWatch)
+    assert watch.status().cells_recorded == len(watch.watcher.history)
