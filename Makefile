@@ -37,6 +37,9 @@ lab: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PIP) install -e '.[bench]'
+	# ipyexperiments depends on the deprecated `pynvml` distribution, which shadows nvidia-ml-py's
+	# module and makes torch.cuda warn; nvidia-ml-py already provides what it imports.
+	$(PIP) install --no-deps ipyexperiments
 	$(BIN)/python benchmarks/run.py
 
 # On a machine with one NVIDIA GPU: the CUDA suite, summary table and JSON in $(OOM_MAGIC_GPU_OUT).

@@ -186,9 +186,9 @@ def build_heap(label: str, tensors: int, namespace: dict, *, garbage: str | None
     user_objects, library_objects = _fill(target, user, library_module.registry)
     if garbage not in (None, "young", "old"):
         raise ValueError(f"garbage must be None, 'young' or 'old', not {garbage!r}")
-    node = _cycle(torch) if garbage == "old" else None
+    reachable = [_cycle(torch)] if garbage == "old" else []
     gc.collect()  # everything built so far is long-lived: the oldest generation
-    node = None  # "old": orphaned in the oldest generation, where only a full collection frees it
+    reachable.clear()  # "old": orphaned in the oldest generation, where only a full collection frees it
     if garbage == "young":
         _cycle(torch)  # orphaned at once: generation 0
     objects = gc.get_objects()

@@ -107,21 +107,40 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         gone = set(storages) - survivors
         after, deleted, still = before, (), ()
     else:
-        deleted = names
-        gc.collect()
-        _empty_caches(torch, where)
-        after = read_device(where, nvml)
-        after_live = find_tensors(torch, where)
+        # The cleanup is done (names deleted, stale references dropped): a failure from here on is in
+        # measuring it, so it becomes a note; raising now would hide that the names are gone.
+        deleted, after, gone, still = names, before, set(), ()
         try:
-            gone = set(storages) - set(after_live.storages)
-            still = _still_held(after_live, names, named, storages, torch, types, shell, namespace)
-        finally:
-            after_live.release()
+            gc.collect()
+            _empty_caches(torch, where)
+            after = read_device(where, nvml)
+            after_live = find_tensors(torch, where)
+        except Exception as exc:
+            notes.append(f"the cleanup ran, but measuring what it gave back failed ({_why(exc)}): "
+                         "%gpumem shows the device now")
+        else:
+            try:
+                gone = set(storages) - set(after_live.storages)
+                try:
+                    still = _still_held(after_live, names, named, storages, torch, types, shell, namespace)
+                except Exception as exc:
+                    notes.append(f"could not tell what still holds the deleted variables' memory ({_why(exc)})")
+            finally:
+                after_live.release()
     by_kind: dict[str, int] = {}
     for key in gone:
         by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
     return FreeReport(where, sum(by_kind.values()), tuple(sorted(by_kind.items())), before, after,
                       deleted, still, dry_run, tuple(notes))
+
+
+def _why(exc: BaseException) -> str:
+    """``TypeName: first line`` of an error, safe even when its message cannot be printed."""
+    try:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    except Exception:
+        text = ""
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
 def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: dict,

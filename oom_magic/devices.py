@@ -167,7 +167,7 @@ def _read_cpu() -> DeviceReading:
     except Exception as exc:
         notes.append(f"psutil could not read this process's memory: {exc}")
     used = total - available if total is not None and available is not None else None
-    name = platform.processor() or platform.machine() or None
+    name = platform.machine() or None  # platform.processor() spawns `uname -p` on Linux
     return DeviceReading("cpu", name, total, available, used, rss, None, None, None, (), tuple(notes))
 
 

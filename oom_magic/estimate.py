@@ -85,9 +85,17 @@ _NF4_BLOCK = 64  # BitsAndBytesConfig's default blocksize for 4-bit weights
 _NESTED_BLOCK = 256  # quantize_4bit(compress_statistics=True) -> quantize_blockwise(absmax, blocksize=256)
 
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own MAX_HEADER_SIZE: the library refuses larger headers
+# What we parse, so that sizing stays within ~1 s and ~50 MB of memory (JSON objects take 10-30x
+# their text): 4 MiB and 500,000 JSON values hold ~40,000 tensors; real headers are under 1 MiB.
+_MAX_READ_HEADER_BYTES = 4 * 1024 * 1024
+_MAX_HEADER_VALUES = 500_000
 _MAX_ZIP_MEMBERS = 100_000  # a torch.save zip holds one member per storage plus ~6
-_MAX_ZIP_DIRECTORY = 32 * 1024 * 1024
-_MAX_PICKLE_BYTES = 16 * 1024 * 1024  # a 70B state dict's data.pkl is ~100 KB; 16 MiB walks in seconds
+_MAX_ZIP_DIRECTORY = 16 * 1024 * 1024  # ~100 bytes per member: 100,000 members fit
+_MAX_PICKLE_BYTES = 16 * 1024 * 1024  # a 70B state dict's data.pkl is ~100 KB
+# The opcode walk stops (sizes stay exact, dtypes unknown) past these: ~10,000 tensors' worth of
+# opcodes, and a bound on what the symbolic stack and memo hold, whatever the bytes say.
+_MAX_PICKLE_OPS = 250_000
+_MAX_PICKLE_ITEMS = 250_000
 _MAX_ELEMENTS = 1 << 64
 
 # Module names bitsandbytes leaves alone (see bytes_for); "embed", "norm" and "ln*" match as parts.
@@ -397,11 +405,23 @@ def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...],
                     f"{label}: header length {length} is over safetensors' {_MAX_HEADER_BYTES}-byte limit; "
                     "not a safetensors file"
                 )
+            if length > _MAX_READ_HEADER_BYTES:
+                raise OomMagicError(
+                    f"{label}: header of {length} bytes is over the {_MAX_READ_HEADER_BYTES} bytes oom-magic reads "
+                    "(about 40,000 tensors; real checkpoints' headers are far smaller)"
+                )
             raw = handle.read(length)
     except OSError as exc:
         raise OomMagicError(f"{label}: cannot read it ({exc.strerror or exc})") from None
     if len(raw) != length:
         raise OomMagicError(f"{label}: the file shrank while it was read; try again")
+    # Every JSON value but the first follows one of these bytes: an upper bound, counted at C speed.
+    values = raw.count(b",") + raw.count(b":") + raw.count(b"[") + raw.count(b"{")
+    if values > _MAX_HEADER_VALUES:
+        raise OomMagicError(
+            f"{label}: the header holds over {_MAX_HEADER_VALUES} JSON values (a tensor takes about 12); "
+            "not a checkpoint oom-magic will parse"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -411,6 +431,7 @@ def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...],
     try:
         header = json.loads(text)
         if isinstance(header, dict) and _may_repeat_keys(text, header):
+            header = None  # the first parse is dropped before the second one is built
             header = json.loads(text, object_pairs_hook=_unique_keys)  # slow path names the repeat
     except _DuplicateKey as exc:
         raise OomMagicError(f"{label}: the header names {_short(exc.key)} twice") from None
@@ -587,6 +608,10 @@ class _Malformed(Exception):
     """The opcode stream is not one torch.save writes."""
 
 
+class _TooBig(Exception):
+    """The opcode stream is longer, or builds more, than the walk's budget."""
+
+
 def _read_torch_zip(path: Path, assumed_bits: int) -> Iterator[_Stored]:
     """Yield the storages of a torch.save zip: sizes from the zip directory, dtypes from data.pkl.
 
@@ -645,7 +670,13 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> Iterator[_Stored]:
         if isinstance(exc, OomMagicError):
             raise
         raise OomMagicError(f"{label}: damaged zip archive ({str(exc)[:100]})") from None
-    storages, dtypes, views = _scan_pickle(raw, label)
+    try:
+        storages, dtypes, views = _scan_pickle(raw, label)
+    except _TooBig:
+        # As for a data.pkl too big to walk: sizes stay exact, element counts assume the declared dtype.
+        for info in members.values():
+            yield _Stored(_UNKNOWN, info.file_size * 8 // assumed_bits, info.file_size)
+        return
     yield from _torch_storages(label, storages, dtypes, views, members, assumed_bits)
 
 
@@ -733,6 +764,8 @@ def _scan_pickle(
         raise OomMagicError(f"{label}: data.pkl is over {_MAX_PICKLE_BYTES} bytes")
     try:
         return _walk_opcodes(raw)
+    except _TooBig:
+        raise
     except _Malformed as exc:
         raise OomMagicError(f"{label}: data.pkl is not what torch.save writes ({exc})") from None
     # genops parses untrusted bytes; whatever it trips on means the pickle is damaged.
@@ -765,13 +798,21 @@ def _walk_opcodes(
                 return items
             items.append(item)
 
+    named = 0
+
     def name_views(pairs: list[object]) -> None:
+        nonlocal named
         for key, value in zip(pairs[0::2], pairs[1::2]):
             view = _tensor_view(value)
             if isinstance(key, str) and view is not None:
                 views.setdefault(view.key, {}).setdefault(view, []).append(key)
+                named += 1
 
-    for opcode, arg, _pos in pickletools.genops(raw):
+    for ops, (opcode, arg, _pos) in enumerate(pickletools.genops(raw)):
+        if ops & 1023 == 0 and (
+            ops > _MAX_PICKLE_OPS or len(stack) + len(memo) + len(storages) + named > _MAX_PICKLE_ITEMS
+        ):
+            raise _TooBig
         code = opcode.name
         if code in _PUSHES_ARG:
             stack.append(arg)

@@ -84,7 +84,7 @@ class _Walk:
         # Level by level in FIFO order: the same order as a queue, with fewer operations per object.
         level: list[_Entry] = [(obj, None, _ROOT, name, 0) for name, obj in roots]
         visited, storage_of, found = self.visited, self.storage_of, self.found
-        kinds, atomic = self._kinds, _ATOMIC
+        kinds, slots_of, atomic = self._kinds, self._slots, _ATOMIC
         nodes, budget, deadline = self.nodes, self.budget_nodes, self.deadline
         while level:
             following: list[_Entry] = []
@@ -121,12 +121,17 @@ class _Walk:
                                 if type(item) not in atomic:
                                     push((item, entry, _INDEX, i, 0))
                     elif what is _OBJECT:
-                        for name, value in list(_instance_dict(obj).items()):
-                            if type(value) not in atomic:
-                                push((value, entry, _ATTR, name, 0))
-                        slots = self._slots.get(cls)
+                        try:
+                            attrs = object.__getattribute__(obj, "__dict__")
+                        except Exception:
+                            attrs = None
+                        if type(attrs) is dict:
+                            for name, value in list(attrs.items()):
+                                if type(value) not in atomic:
+                                    push((value, entry, _ATTR, name, 0))
+                        slots = slots_of.get(cls)
                         if slots is None:
-                            slots = self._slots[cls] = _slot_names(cls)
+                            slots = slots_of[cls] = _slot_names(cls)
                         for slot in slots:
                             try:
                                 push((object.__getattribute__(obj, slot), entry, _ATTR, slot, 0))

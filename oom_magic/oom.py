@@ -113,13 +113,15 @@ def parse_oom_message(text: str) -> OOMMessage | None:
 def is_out_of_memory(exc: BaseException) -> bool:
     """Say whether `exc` is an out-of-memory error, without importing torch."""
     try:
-        if not isinstance(exc, BaseException):
+        # type(exc), never isinstance(): isinstance reads a hostile __class__ when the type test fails.
+        cls = type(exc)
+        if not issubclass(cls, BaseException):
             return False
-        if any(cls.__name__ == "OutOfMemoryError" for cls in type(exc).__mro__):
+        if any(klass.__name__ == "OutOfMemoryError" for klass in cls.__mro__):
             return True  # torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class)
-        if isinstance(exc, MemoryError):
+        if issubclass(cls, MemoryError):
             return True  # Python raises MemoryError only when an allocation failed
-        return isinstance(exc, RuntimeError) and parse_oom_message(str(exc)) is not None
+        return issubclass(cls, RuntimeError) and parse_oom_message(str(exc)) is not None
     except Exception:  # a hostile __str__ or __mro__
         return False
 

@@ -157,6 +157,7 @@ class CellWatch:
         self.settings = settings
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
         self.enabled = True
+        self.warned_static = False  # "no ipywidgets" is said once, not under every cell
         self.live: list[MemoryWidget] = []
         self.pinned: MemoryWidget | None = None
         # Outputs of frozen widgets are rewritten only where a frontend shows them (a kernel).
@@ -248,7 +249,11 @@ class CellWatch:
         from IPython.display import display
 
         limit = max(int(self.settings.live_widgets), 0)
-        if limit == 0:
+        missing = _widgets_missing()
+        if missing and not self.warned_static:
+            self.warned_static = True
+            warnings.warn(f"oom-magic: {missing}; showing the static view under each cell instead", stacklevel=2)
+        if limit == 0 or missing:
             display(_Static(report))
             return None
         widget = MemoryWidget(report, free=self._free_and_rescan)
@@ -262,6 +267,9 @@ class CellWatch:
         """Display one live widget that updates after every cell that changes memory."""
         from IPython.display import display
 
+        missing = _widgets_missing()
+        if missing:
+            raise OomMagicError(f"--pin needs a live widget, but {missing}")
         self.unpin()
         widget = MemoryWidget(self._report(None, device=self._watched_device()), free=self._free_and_rescan,
                               pinned=True)
@@ -328,6 +336,15 @@ class CellWatch:
         if device is not None:
             device = resolve_device(device)
         return plot_timeline(records, device=device, path=path)
+
+
+def _widgets_missing() -> str | None:
+    """Why live widgets cannot be shown (ipywidgets absent), or None."""
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return "ipywidgets is not installed (pip install 'ipywidgets>=8')"
+    return None
 
 
 class _Static:
