@@ -152,7 +152,7 @@ class _Walk:
                             grad = obj.grad
                             if grad is not None:
                                 push((grad, entry, _SUFFIX, ".grad", 0))
-                        for name, value in list(_instance_dict(obj).items()):
+                        for name, value in list(instance_dict(obj).items()):
                             push((value, entry, _ATTR, name, 0))
                     else:
                         for child, suffix in self._other_children(obj, what):
@@ -216,7 +216,7 @@ class _Walk:
             for ref in gc.get_referents(obj):
                 if type(ref) is dict:
                     yield ref, ".cache"
-            wrapped = _instance_dict(obj).get("__wrapped__")
+            wrapped = instance_dict(obj).get("__wrapped__")
             if wrapped is not None:
                 yield wrapped, ".__wrapped__"
         elif what is _CELL:
@@ -290,7 +290,8 @@ class _Walk:
         return result
 
 
-def _instance_dict(obj: object) -> dict:
+def instance_dict(obj: object) -> dict:
+    """An object's ``__dict__`` read through the C slot (no user ``__getattr__`` runs), or {}."""
     try:
         d = object.__getattribute__(obj, "__dict__")
     except Exception:
@@ -309,7 +310,7 @@ def _slot_names(cls: type) -> tuple[str, ...]:
 
 
 def _module_children(module: Any) -> Iterator[tuple[object, int, object]]:
-    attrs = _instance_dict(module)
+    attrs = instance_dict(module)
     for group in _MODULE_CHILD_DICTS:
         children = attrs.get(group)
         if type(children) is dict:
@@ -361,7 +362,7 @@ def _exception_children(exc: BaseException) -> Iterator[tuple[object, str]]:
         yield exc.__cause__, ".__cause__"
     if exc.__context__ is not None:
         yield exc.__context__, ".__context__"
-    for name, value in list(_instance_dict(exc).items()):
+    for name, value in list(instance_dict(exc).items()):
         yield value, f".{name}"
 
 
@@ -524,5 +525,5 @@ def _segment(holder: Any, target: Any) -> str:
     if cls in (list, tuple):
         index = next((i for i, v in enumerate(holder) if v is target), "?")
         return f"[{index}]"
-    attr = next((k for k, v in list(_instance_dict(holder).items()) if v is target), None)
+    attr = next((k for k, v in list(instance_dict(holder).items()) if v is target), None)
     return f".{attr}" if attr is not None else f"→{cls.__qualname__}"

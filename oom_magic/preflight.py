@@ -23,6 +23,7 @@ from pathlib import Path, PurePath
 from types import ModuleType
 from typing import Any, Iterator, Mapping
 
+from .holders import instance_dict as _instance_dict
 from ._torch import cuda_initialized
 from .diagnose import FitOption, device_index, fit_options
 from .errors import OomMagicError
@@ -359,12 +360,6 @@ _TORCH_DTYPES = frozenset({"float32", "float", "float16", "half", "bfloat16", "f
                            "int8", "uint8", "int16", "int32", "int64", "bool"})
 
 
-def _instance_dict(obj: object) -> dict:
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-    except Exception:
-        return {}
-    return d if type(d) is dict else {}
 
 
 def _qualified(obj: object) -> str | None:
