@@ -478,7 +478,7 @@ def _is_running(frame: types.FrameType) -> bool:
 
 
 def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
-                     budget_seconds: float = 0.5) -> dict[int, str]:
+                     budget_seconds: float = 2.0) -> dict[int, str]:
     """A short chain of referrer types and keys for tensors nothing named holds."""
     deadline = time.perf_counter() + budget_seconds
     by_key: dict[int, Any] = {}
@@ -490,40 +490,56 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
     for key in sorted(by_key, key=lambda k: -live.storages[k].bytes):
         if time.perf_counter() > deadline:
             break
-        segments: list[str] = []  # innermost first: how each holder reaches the next target
-        base = "<held outside Python (C++ or an untracked object)>"
-        target: Any = by_key[key]
-        for _ in range(hops):
-            referrers = [r for r in gc.get_referrers(target)
-                         if id(r) not in ours and type(r) is not types.FrameType]
-            if not referrers:
-                break
-            holder = referrers[0]
-            ours.add(id(referrers))
-            if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
-                base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
-                break
-            segments.append(_segment(holder, target))
-            base = f"<{type(holder).__qualname__}>"
-            target = holder
-        else:
-            base = f"…<{type(target).__qualname__}>"  # more hops than we follow
-        chains[key] = base + "".join(reversed(segments))
+        try:
+            chains[key] = _chain(by_key[key], ours, hops)
+        except Exception:  # a hostile holder on the way: say so rather than fail the snapshot
+            chains[key] = "<held by an object that could not be inspected>"
     return chains
 
 
+def _chain(target: Any, ours: set[int], hops: int) -> str:
+    """The Python path from the nearest module global (or outermost holder) down to ``target``."""
+    segments: list[str] = []  # innermost first: how each holder reaches the next target
+    base = "<held outside Python (C++ or an untracked object)>"
+    for _ in range(hops):
+        referrers = [r for r in gc.get_referrers(target)
+                     if id(r) not in ours and type(r) is not types.FrameType]
+        if not referrers:
+            break
+        holder = referrers[0]
+        ours.add(id(referrers))
+        if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
+            base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
+            break
+        segments.append(_segment(holder, target))
+        base = f"<{type(holder).__qualname__}>"
+        target = holder
+    else:
+        base = f"…<{type(target).__qualname__}>"  # more hops than we follow
+    return base + "".join(reversed(segments))
+
+
+_SHOWN_KEYS = (str, int, float, bool, bytes, type(None))
+
+
+def _key_text_of(key: object) -> str:
+    # Only plain keys are shown: repr() of an arbitrary key runs code we do not control.
+    return repr(key) if type(key) in _SHOWN_KEYS else f"<{type(key).__qualname__} key>"
+
+
 def _key_of(mapping: dict, target: Any) -> str:
-    return next((str(k) for k, v in list(mapping.items()) if v is target), "?")
+    key = next((k for k, v in list(mapping.items()) if v is target), "?")
+    return key if type(key) is str else _key_text_of(key)
 
 
 def _segment(holder: Any, target: Any) -> str:
     """How ``holder`` refers to ``target``, as a path segment (``['key']``, ``[3]``, ``.attr``)."""
     cls = type(holder)
     if cls is dict:
-        key = next((k for k, v in list(holder.items()) if v is target), None)
-        return f"[{key!r}]" if key is not None else "[<key>]"
+        found = [k for k, v in list(holder.items()) if v is target][:1]
+        return f"[{_key_text_of(found[0])}]" if found else "[<key>]"
     if cls in (list, tuple):
         index = next((i for i, v in enumerate(holder) if v is target), "?")
         return f"[{index}]"
     attr = next((k for k, v in list(instance_dict(holder).items()) if v is target), None)
-    return f".{attr}" if attr is not None else f"→{cls.__qualname__}"
+    return f".{attr}" if type(attr) is str else f"→{cls.__qualname__}"

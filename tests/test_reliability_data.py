@@ -55,7 +55,7 @@ class _Box:
     right: object
 '''
 
-PROPERTY = settings(max_examples=14, deadline=None, derandomize=False,
+PROPERTY = settings(max_examples=8, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                            HealthCheck.data_too_large])
 
@@ -255,7 +255,7 @@ SITES = ["attribute", "_drop_output_refs", "_clear_exception", "_clear_frame", "
          "find_tensors", "read_device", "_still_held"]
 
 
-@settings(max_examples=12, deadline=None,
+@settings(max_examples=8, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(cells=sessions(), site=st.sampled_from(SITES), calls=st.integers(0, 2), data=st.data())
 def test_a_freeall_that_fails_part_way_leaves_the_namespace_whole(ip, cells: list[str], site: str, calls: int,

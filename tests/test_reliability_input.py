@@ -13,9 +13,9 @@ Counts: tests/test_estimate.py already fuzzes 1,300 estimator inputs (mutated sa
 random header JSON, mutated torch zips); this file adds 3,900 (header lengths up to 2**64-1,
 offsets out of range or overlapping, non-UTF-8 headers, unknown dtypes, random pickle opcode
 streams with code-running globals, zip structures and zip-bomb claims, deep and wide JSON, shard
-indexes and configs) plus the explicit bombs below, for 5,200+ in all. tests/test_oom_parse.py
-fuzzes 2,300 texts; this file adds 1,000 more (any object, str subclasses, grammar-built messages
-with extreme figures) and the pathological long texts.
+indexes and configs) plus ~40 explicit bombs and refusals below, for 5,250+ in all.
+tests/test_oom_parse.py fuzzes 2,300 texts; this file adds 700 more (any object, str subclasses,
+grammar-built messages with extreme figures) and eight pathological long texts.
 
 The one fake: NVML (there is no GPU here), so that ``cuda:9`` on a one-GPU machine can be asked for.
 """
@@ -945,4 +945,4 @@ def test_is_out_of_memory_never_raises() -> None:
     assert is_out_of_memory(MemoryError()) is True
     assert is_out_of_memory(KeyboardInterrupt()) is False
     assert is_out_of_memory("CUDA out of memory.") is False  # type: ignore[arg-type]
-    assert parse_oom_message(_SneakyStr(f"CUDA out of memory. Tried to allocate 2.00 GiB")) is None
+    assert parse_oom_message(_SneakyStr("CUDA out of memory. Tried to allocate 2.00 GiB")) is None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import sys
 import warnings
 import weakref
 from pathlib import Path

@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any, Iterator
@@ -172,6 +171,8 @@ def test_the_static_view_keeps_names_inert(payload_session) -> None:
 @pytest.fixture
 def payload_process() -> Iterator[subprocess.Popen]:
     """A real process whose argv[0] and kernel name (comm) are a payload."""
+    if sys.platform != "linux" or shutil.which("bash") is None:
+        pytest.skip("prctl(PR_SET_NAME) and exec -a need Linux and bash")
     script = ("import ctypes, time; ctypes.CDLL(None).prctl(15, " + repr(IMG.encode()) + ", 0, 0, 0); "
               "print('ready', flush=True); time.sleep(120)")
     proc = subprocess.Popen(["bash", "-c", f'exec -a "{IMG}" "{sys.executable}" -c "{script}"'],
