@@ -43,6 +43,9 @@ def unload(shell: InteractiveShell) -> None:
             while callback in shell.events.callbacks[event]:
                 shell.events.unregister(event, callback)
         watch.close()
+    configurables = getattr(shell, "configurables", [])
+    while magics in configurables:  # Magics.__init__ appended it; a kept reference would leak it per reload
+        configurables.remove(magics)
     for kind, table in magics.magics.items():
         registered = shell.magics_manager.magics.get(kind, {})
         for name in table:

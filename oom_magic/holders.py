@@ -121,14 +121,9 @@ class _Walk:
                                 if type(item) not in atomic:
                                     push((item, entry, _INDEX, i, 0))
                     elif what is _OBJECT:
-                        try:
-                            attrs = object.__getattribute__(obj, "__dict__")
-                        except Exception:
-                            attrs = None
-                        if type(attrs) is dict:
-                            for name, value in list(attrs.items()):
-                                if type(value) not in atomic:
-                                    push((value, entry, _ATTR, name, 0))
+                        for name, value in list(instance_dict(obj).items()):
+                            if type(value) not in atomic:
+                                push((value, entry, _ATTR, name, 0))
                         slots = slots_of.get(cls)
                         if slots is None:
                             slots = slots_of[cls] = _slot_names(cls)
@@ -291,12 +286,45 @@ class _Walk:
 
 
 def instance_dict(obj: object) -> dict:
-    """An object's ``__dict__`` read through the C slot (no user ``__getattr__`` runs), or {}."""
+    """An object's ``__dict__`` read through the C slot (no user code runs), or {}.
+
+    ``object.__getattribute__`` skips a user ``__getattr__``, but would still run a ``__dict__``
+    property defined on the class: such classes are read as having no attributes.
+    """
+    if not _plain_dict_slot(type(obj)):
+        return {}
     try:
         d = object.__getattribute__(obj, "__dict__")
     except Exception:
         return {}
     return d if type(d) is dict else {}
+
+
+# id(class) -> (weak reference to the class, whether its ``__dict__`` is the C slot); weak so no
+# class (and the tensors its attributes hold) is kept alive by the cache.
+_DICT_SLOT: dict[int, tuple[Any, bool]] = {}
+_SLOT_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+
+
+def _plain_dict_slot(cls: type) -> bool:
+    """Whether the first ``__dict__`` along ``cls``'s MRO is CPython's own descriptor (no user code)."""
+    cached = _DICT_SLOT.get(id(cls))
+    if cached is not None and cached[0]() is cls:
+        return cached[1]
+    plain = False
+    try:
+        for klass in type.__dict__["__mro__"].__get__(cls):
+            found = type.__dict__["__dict__"].__get__(klass).get("__dict__", _MISSING)
+            if found is not _MISSING:
+                plain = type(found) in _SLOT_DESCRIPTORS
+                break
+        _DICT_SLOT[id(cls)] = (weakref.ref(cls, lambda _, key=id(cls): _DICT_SLOT.pop(key, None)), plain)
+    except Exception:  # a class that cannot be inspected or weakly referenced: read nothing
+        return False
+    return plain
+
+
+_MISSING = object()
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from .watch import WatchStatus
 
 
+def _parse_line(magic: object, line: str) -> object:
+    """The magic's arguments; a line shlex cannot split (an unclosed quote) is a UsageError too."""
+    try:
+        return parse_argstring(magic, line)
+    except ValueError as exc:  # argparse's own errors are UsageErrors already; this is shlex's
+        raise UsageError(f"cannot read the magic line ({exc}): close the quote or escape it") from None
+
+
 @magics_class
 class OomMagics(Magics):
     """%gpumem, %freeall (and, with later modules, %%guardload)."""
@@ -81,7 +89,7 @@ class OomMagics(Magics):
         With --auto, --pin or --plot it sets up the memory widget shown after cells, or plots the
         memory timeline, instead (returning the settings, or the Timeline).
         """
-        args = parse_argstring(self.gpumem, line)
+        args = _parse_line(self.gpumem, line)
         if args.auto is not None or args.pin or args.plot is not None:
             try:
                 return self.cell_watch.command(auto=args.auto, pin=args.pin, plot=args.plot, device=args.device)
@@ -103,7 +111,7 @@ class OomMagics(Magics):
     @line_magic
     def freeall(self, line: str = "") -> FreeReport:
         """Free stale memory (output cache, stored tracebacks, garbage) without touching a user variable."""
-        args = parse_argstring(self.freeall, line)
+        args = _parse_line(self.freeall, line)
         try:
             return free_stale(args.device, names=args.names, dry_run=args.dry_run, shell=self.shell)
         except OomMagicError as exc:
@@ -129,7 +137,7 @@ class OomMagics(Magics):
         from .guard import GuardedLoad, compile_cell
         from .preflight import load_target, parse_headroom, preflight_check
 
-        args = parse_argstring(self.guardload, line)
+        args = _parse_line(self.guardload, line)
         if cell is None or not cell.strip():
             raise UsageError("%%guardload needs a cell body: put the code that loads the model below the magic line")
         if args.retry < 0:

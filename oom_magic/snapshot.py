@@ -156,6 +156,9 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         notes.append(f"holder walk stopped after {attribution.nodes_walked} objects: some holders are shown as 'other'")
     if live.byteless:
         notes.append(f"{live.byteless} meta/fake tensors hold no device bytes and are not counted")
+    if live.unreadable:
+        notes.append(f"{live.unreadable} tensors' storage could not be read and is not counted "
+                     "(a wrapper subclass holds none of its own; its inner tensors are counted)")
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
                     live.objects_scanned, attribution.complete, tuple(notes), top)

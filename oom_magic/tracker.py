@@ -39,6 +39,7 @@ class LiveTensors:
     storages: dict[int, StorageRecord]
     objects_scanned: int
     byteless: int  # meta/fake tensors seen (they hold no device bytes)
+    unreadable: int = 0  # tensors whose storage raised when read (wrapper subclasses, broken ones)
 
     def release(self) -> None:
         """Drop every strong reference to the tensors."""
@@ -72,7 +73,7 @@ def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
     # shapes and dtypes are read once per storage at the end, not once per tensor.
     groups: dict[int, list[Any]] = {}
     device_names: dict[Any, str] = {}
-    byteless = 0
+    byteless = unreadable = 0
     for tensor in tensors:
         if type(tensor) in byteless_types:
             byteless += 1
@@ -90,7 +91,7 @@ def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
             where = _device_name(tensor.device, device_names)
         except Exception:
             # Wrapper subclasses have no storage of their own; their inner tensors are found too.
-            byteless += 1
+            unreadable += 1
             continue
         if device is not None and where != device:
             continue
@@ -116,7 +117,7 @@ def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
         for key, (where, nbytes, named, count, shape) in groups.items()
     }
     groups.clear()
-    return LiveTensors(kept, storage_of, storages, scanned, byteless)
+    return LiveTensors(kept, storage_of, storages, scanned, byteless, unreadable)
 
 
 def _device_name(device: Any, names: dict[Any, str]) -> str:

@@ -28,3 +28,16 @@ def ip(_global_ip):
             delattr(sys, attr)
     shell.last_execution_result = None
     gc.collect()
+
+
+@pytest.fixture
+def fresh_heap():
+    """Freeze what earlier test modules left alive out of the collector's view (gc.freeze) for one
+    test, as in a fresh kernel: a tensor another module's fixture still holds would otherwise make
+    every scan here name its holder, and every exact count see it."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

@@ -59,6 +59,9 @@ PROPERTY = settings(max_examples=8, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                            HealthCheck.data_too_large])
 
+pytestmark = pytest.mark.usefixtures("fresh_heap")
+
+
 
 # --------------------------------------------------------------------------- random sessions
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 import pytest
 import torch
 from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
 
 from oom_magic import nvml as nvml_module
 from oom_magic.devices import read_device, resolve_device
@@ -46,6 +47,9 @@ from oom_magic.snapshot import Snapshot
 from tests.fakes.fake_pynvml import FakeGpu, FakeMig, FakeNvml, GiB
 
 ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("fresh_heap")
+
 
 
 # --------------------------------------------------------------------------- helpers
@@ -602,21 +606,18 @@ def test_hostile_objects_are_never_called_by_any_magic_or_the_hook(ip, hostile, 
     assert hostile["h"].__dict__["weights"].sum().item() == 1024  # still there, untouched
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: preflight.py _from_object/_qualified call isinstance() on a "
-                                       "user object the %%guardload cell names, which runs its __class__ "
-                                       "(and __getattribute__); the RuntimeError escapes the magic")
 def test_a_guarded_cell_naming_a_hostile_object_does_not_call_it(ip, hostile, clean_alloc_env) -> None:
-    result = ip.run_cell("%%guardload --quiet\nloaded = torch.load(h)\n", store_history=True)
+    """Finding 2 (fixed in preflight.py): the fit check read a named object's __class__ via isinstance()."""
+    # The preflight resolves torch.load's argument `h`; the cell itself never touches it.
+    with capture_output() as shown:
+        result = ip.run_cell("%%guardload\nloaded = torch.load(h) if False else None\n", store_history=True)
     assert hostile["CALLED"] == []
-    # The load itself fails (torch.load of a non-path), but in the user's code, not in the guard.
-    assert isinstance(result.error_in_exec, (TypeError, AttributeError, RuntimeError))
-    assert "preflight" not in "".join(str(result.error_in_exec))
+    assert result.success and result.error_in_exec is None and ip.user_ns["loaded"] is None
+    assert "torch.load(h)" in shown.stdout  # the preflight saw the call, and said what it could not size
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: holders.py _instance_dict reads obj.__dict__ with "
-                                       "object.__getattribute__, which runs a __dict__ property defined on "
-                                       "the class (a never-returning one would hang the walk)")
 def test_a_dict_property_is_never_called(ip) -> None:
+    """Finding 3 (fixed in holders.py): object.__getattribute__(o, "__dict__") ran a class-level property."""
     run(ip, textwrap.dedent('''
         import torch
         DICT_CALLS = []
@@ -699,13 +700,13 @@ def test_tensor_subclasses_that_raise_do_not_break_anything(ip, clean_alloc_env)
     assert report.outcome == "ok"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5: tracker.py counts a tensor whose storage cannot be read "
-                                       "as one of the 'meta/fake tensors [that] hold no device bytes': the "
-                                       "note names the wrong cause")
 def test_an_unreadable_tensor_is_named_as_such(ip) -> None:
+    """Finding 5 (fixed in tracker.py): it was counted among the 'meta/fake tensors' in the note."""
     assert run(ip, SUBCLASS_SETUP).success
     snap = ip.run_line_magic("gpumem", "")
-    assert any("could not be read" in n for n in snap.notes), snap.notes
+    # no_storage raises in untyped_storage(), explodes in every torch function
+    assert any(n.startswith("2 tensors' storage could not be read") for n in snap.notes), snap.notes
+    assert not any("meta/fake" in n for n in snap.notes), snap.notes
 
 
 # --------------------------------------------------------------------------- %reset -f between cells

@@ -209,13 +209,15 @@ def test_an_empty_guarded_cell_is_a_usage_error(ip) -> None:
         ip.run_cell_magic("guardload", "", "   \n")
 
 
-@pytest.mark.xfail(strict=True, reason="finding 6: magics.py passes the line to IPython's parse_argstring, whose "
-                                       "shlex split raises ValueError('No closing quotation'): a traceback, not "
-                                       "a UsageError")
-@pytest.mark.parametrize("magic", ["gpumem", "freeall"])
+@pytest.mark.parametrize("magic", ["gpumem", "freeall", "guardload"])
 def test_an_unclosed_quote_is_a_usage_error(ip, magic: str) -> None:
-    with pytest.raises(UsageError):
-        ip.run_line_magic(magic, '--device "cuda')
+    """Finding 6 (fixed in magics.py): shlex's ValueError('No closing quotation') was a traceback."""
+    with pytest.raises(UsageError, match="No closing quotation.*close the quote") as caught:
+        if magic == "guardload":
+            ip.run_cell_magic(magic, '--device "cuda', "ran = True\n")
+        else:
+            ip.run_line_magic(magic, '--device "cuda')
+    assert "\n" not in str(caught.value) and "ran" not in ip.user_ns
 
 
 @pytest.mark.parametrize("text, message", [

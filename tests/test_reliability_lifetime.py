@@ -26,6 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 1 << 30
 
 
+pytestmark = pytest.mark.usefixtures("fresh_heap")
+
+
 def cell_watch(ip) -> CellWatch:
     return ip.magics_manager.registry["OomMagics"].cell_watch
 
@@ -85,10 +88,9 @@ def test_load_unload_reload_100_times_leaks_no_callbacks_widgets_or_watchers(ip)
     assert ip.user_ns["kept"].sum().item() == 1000
 
 
-@pytest.mark.xfail(strict=True, reason="finding 9: _extension.py unload leaves the OomMagics instance in "
-                                       "shell.configurables (IPython's Magics.__init__ appends it), so every "
-                                       "unload and %reload_ext keeps a CellWatch, its Watcher and its history alive")
 def test_nothing_outlives_its_unload(ip) -> None:
+    """Finding 9 (fixed in _extension.py): Magics.__init__ appends to shell.configurables, and unload left it
+    there, so every unload and %reload_ext kept a CellWatch, its Watcher and its history alive."""
     run(ip, "import torch")
     ip.run_line_magic("unload_ext", "oom_magic")
     configurables = len(ip.configurables)

@@ -44,6 +44,9 @@ NOSPACE = "<img/src=x/onerror=alert(1)>"  # survives a magic's argument split
 PAYLOADS = (IMG, SCRIPT, BREAKOUT, NOSPACE)
 ACTIVE_TAGS = {"script", "img", "svg", "iframe", "object", "embed", "math", "style", "link", "meta", "base"}
 
+pytestmark = pytest.mark.usefixtures("fresh_heap")
+
+
 
 class _Elements(HTMLParser):
     """Collect the elements, attributes and text a browser would build from the HTML."""
