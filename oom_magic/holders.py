@@ -13,10 +13,11 @@ import time
 import types
 import weakref
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Iterator
 
 from .roots import Roots
-from .tracker import LiveTensors
+from .tracker import LiveTensors, group_storages
 
 USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
 STALE_KINDS = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
@@ -60,31 +61,72 @@ _ROOT, _SUFFIX, _INDEX, _KEY, _KEYPOS, _ATTR, _MODATTR = range(7)
 
 # A queue entry: (object, parent entry, step kind, step data, step index); roots have no parent.
 _Entry = tuple
+# Containers with more items than this are expanded after everything else, _BIG items at a time.
+_BIG = 4096
+
+
+def _slices(entry: _Entry, what: int) -> Iterator[list[_Entry]]:
+    """A big container's children as queue entries, ``_BIG`` at a time (never all at once)."""
+    obj = entry[0]
+    if what is _DICT:
+        items = enumerate(dict.items(obj))
+        while chunk := list(islice(items, _BIG)):
+            level: list[_Entry] = []
+            for i, (key, value) in chunk:
+                if gc.is_tracked(key):
+                    level.append((key, entry, _KEYPOS, i, 0))
+                if gc.is_tracked(value):
+                    level.append((value, entry, _KEY, key, i))
+            yield level
+    else:
+        values = enumerate(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
+        while chunk := list(islice(values, _BIG)):
+            yield [(item, entry, _INDEX, i, 0) for i, item in chunk if gc.is_tracked(item)]
 
 
 class _Walk:
-    """Breadth-first walk from named roots; the first path reaching a storage wins."""
+    """Breadth-first walk from named roots; the first path reaching a storage wins.
+
+    Containers with more than ``_BIG`` items are expanded last, in slices, so one list of ten
+    million records cannot spend the budget before the model beside it is walked. With
+    ``collect`` the walk itself gathers the tensors it meets (no heap pass was made).
+    """
 
     def __init__(self, live: LiveTensors, tensor_types: frozenset[type], torch: Any,
-                 skip: tuple[object, ...], budget_nodes: int, deadline: float) -> None:
+                 skip: tuple[object, ...], budget_nodes: int, deadline: float, *, collect: bool = False) -> None:
         self.storage_of = live.storage_of
         self.tensor_types = tensor_types
         self.module_type = getattr(getattr(torch, "nn", None), "Module", None)
         self.found: dict[int, tuple[str, _Entry]] = {}  # storage key -> (kind, entry of its first tensor)
         self.visited: set[int] = {id(o) for o in skip}
         self.tensor_entries: dict[int, _Entry] = {}  # id(tensor) -> its first entry (names dict keys)
+        self.met: list[tuple[str, _Entry]] | None = [] if collect else None  # (kind, entry) per tensor met
         self.nodes = 0
         self.budget_nodes = budget_nodes
         self.deadline = deadline
         self.complete = True
         self._kinds: dict[type, int] = {}
         self._slots: dict[type, tuple[str, ...]] = {}
+        self._big: list[tuple[_Entry, int]] = []  # (entry, _DICT or _LIST or _TUPLE) expanded last
 
     def run(self, kind: str, roots: tuple[tuple[str, object], ...]) -> None:
+        self._level_walk(kind, [(obj, None, _ROOT, name, 0) for name, obj in roots])
+        while self._big and self.complete:
+            entry, what = self._big.pop(0)
+            for chunk in _slices(entry, what):
+                self._level_walk(kind, chunk)
+                if not self.complete:
+                    break
+        self._big.clear()
+
+    def _level_walk(self, kind: str, level: list[_Entry]) -> None:
         # Level by level in FIFO order: the same order as a queue, with fewer operations per object.
-        level: list[_Entry] = [(obj, None, _ROOT, name, 0) for name, obj in roots]
-        visited, storage_of, found = self.visited, self.storage_of, self.found
-        kinds, slots_of, atomic = self._kinds, self._slots, _ATOMIC
+        visited, storage_of, found, met = self.visited, self.storage_of, self.found, self.met
+        kinds, slots_of, big = self._kinds, self._slots, self._big.append
+        # Only gc-tracked objects can hold a tensor (a tensor is tracked, and so is anything holding
+        # one): untracked children (ints, strings, dicts of atoms) are never queued, and neither
+        # is a plain list of them (token lists: half the objects of a tokenised dataset).
+        is_tracked = gc.is_tracked
         nodes, budget, deadline = self.nodes, self.budget_nodes, self.deadline
         while level:
             following: list[_Entry] = []
@@ -108,21 +150,31 @@ class _Walk:
                 # the first occurrence in queue order still wins.
                 try:
                     if what is _DICT:
+                        # An untracked dict holds only untracked objects: no tensor can be in it.
+                        if not is_tracked(obj):
+                            continue
+                        if dict.__len__(obj) > _BIG:
+                            big((entry, what))
+                            continue
                         for i, (key, value) in enumerate(list(dict.items(obj))):
-                            if type(key) not in atomic:
+                            if is_tracked(key):
                                 push((key, entry, _KEYPOS, i, 0))
-                            if type(value) not in atomic:
+                            if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
                                 push((value, entry, _KEY, key, i))
                     elif what is _LIST or what is _TUPLE:
-                        items = list.__iter__(obj) if what is _LIST else tuple.__iter__(obj)
-                        items = list(items)
-                        if not all(map(atomic.__contains__, map(type, items))):
+                        if what is _TUPLE and not is_tracked(obj):
+                            continue
+                        if (list.__len__(obj) if what is _LIST else tuple.__len__(obj)) > _BIG:
+                            big((entry, what))
+                            continue
+                        items = list(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
+                        if any(map(is_tracked, items)):
                             for i, item in enumerate(items):
-                                if type(item) not in atomic:
+                                if is_tracked(item) and (type(item) is not list or any(map(is_tracked, item))):
                                     push((item, entry, _INDEX, i, 0))
                     elif what is _OBJECT:
                         for name, value in list(instance_dict(obj).items()):
-                            if type(value) not in atomic:
+                            if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
                                 push((value, entry, _ATTR, name, 0))
                         slots = slots_of.get(cls)
                         if slots is None:
@@ -142,6 +194,8 @@ class _Walk:
                         key = storage_of.get(oid)
                         if key is not None and key not in found:
                             found[key] = (kind, entry)
+                        elif met is not None:
+                            met.append((kind, entry))
                         # .grad on a non-leaf warns; only leaves carry a user-visible gradient.
                         if obj.is_leaf:
                             grad = obj.grad
@@ -400,10 +454,7 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
     """Find a holder for every storage in ``live`` (user → output-cache → traceback → garbage → other)."""
     walk = _Walk(live, tensor_types, torch, roots.containers + (live.tensors, live.storage_of, sys.modules),
                  budget_nodes, time.perf_counter() + budget_seconds)
-    walk.run(USER, roots.user)
-    user_reachable = frozenset(walk.visited)
-    walk.run(OUTPUT_CACHE, roots.output_cache)
-    walk.run(TRACEBACK, roots.traceback)
+    user_reachable = _walk_roots(walk, roots)
     holders = walk.named_paths()
     unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and find_garbage:
@@ -414,6 +465,40 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
         for key, chain in _referrer_chains(live, unclaimed).items():
             holders.setdefault(key, Holder(OTHER, chain, "referrers"))
     return Attribution(holders, walk.complete, walk.nodes, user_reachable)
+
+
+def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None, *,
+                        budget_nodes: int = 2_000_000, budget_seconds: float = 5.0) -> tuple[LiveTensors, Attribution]:
+    """The tensors reachable from the roots, and their holders, found by the walk alone (no heap pass).
+
+    What no root reaches (garbage, a library's globals) is not found: a quick view whose cost
+    depends on what the user holds, not on the heap's size. Release the LiveTensors after use.
+    """
+    walk = _Walk(LiveTensors([], {}, {}, 0, 0), tensor_types, torch, roots.containers + (sys.modules,),
+                 budget_nodes, time.perf_counter() + budget_seconds, collect=True)
+    user_reachable = _walk_roots(walk, roots)
+    met = walk.met or []
+    walk.met = None
+    seen: dict[int, Any] = {}
+    for _, entry in met:
+        seen.setdefault(id(entry[0]), entry[0])
+    live = group_storages(list(seen.values()), tensor_types, device, walk.nodes)
+    seen.clear()
+    for kind, entry in met:  # walk order: the first path to reach a storage names it
+        key = live.storage_of.get(id(entry[0]))
+        if key is not None and key not in walk.found:
+            walk.found[key] = (kind, entry)
+    met.clear()
+    return live, Attribution(walk.named_paths(), walk.complete, walk.nodes, user_reachable)
+
+
+def _walk_roots(walk: _Walk, roots: Roots) -> frozenset[int]:
+    """Walk user → output-cache → traceback roots; the ids of what the user's variables reach."""
+    walk.run(USER, roots.user)
+    user_reachable = frozenset(walk.visited)
+    walk.run(OUTPUT_CACHE, roots.output_cache)
+    walk.run(TRACEBACK, roots.traceback)
+    return user_reachable
 
 
 def _garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,

@@ -45,6 +45,10 @@ class OomMagics(Magics):
     cpu_change_threshold = Int(16 << 20, help="Bytes the process's resident set, or the tensors bound to your "
                                               "variables, must move in one cell on cpu for the widget to show "
                                               "(default 16 MiB).").tag(config=True)
+    hook_budget_ms = Int(50, help="Milliseconds the after-cell widget may spend finding who holds memory: a full "
+                                  "heap scan when one is predicted to fit, else the quick view (a walk from your "
+                                  "variables, the output cache and tracebacks, cut off at this budget), which "
+                                  "says so. %gpumem always scans the whole heap.").tag(config=True)
     live_widgets = Int(8, help="How many per-cell memory widgets stay live; older ones are frozen to static "
                                "HTML and their widget models closed. 0 shows static HTML only.").tag(config=True)
     history_length = Int(10_000, help="How many cells the %gpumem --plot timeline keeps (oldest dropped first); "

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from ._torch import loaded_torch
 from .devices import DeviceReading, read_device, resolve_device
-from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, attribute
+from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, attribute, attribute_reachable
 from .nvml import Nvml
 from .roots import Roots, collect_roots
 from .tracker import StorageRecord, find_tensors, tensor_types
@@ -41,6 +41,7 @@ class Snapshot:
     notes: tuple[str, ...] = ()
     top_n: int = 10
     view: str = "table"  # "table" or "json": how the notebook/terminal shows it
+    heap_scan: bool = True  # False: the quick view (no heap pass; garbage and library-held not found)
 
     # Figures the user asks for by name.
     def kind_bytes(self, kind: str) -> int:
@@ -129,8 +130,14 @@ def _path_under(path: str, prefix: str) -> bool:
 
 
 def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvml | None = None,
-             top: int = 10, find_garbage: bool = True) -> Snapshot:
-    """Read ``device`` and attribute every live tensor storage on it to its holder."""
+             top: int = 10, find_garbage: bool = True, heap_scan: bool = True,
+             budget_seconds: float = 5.0) -> Snapshot:
+    """Read ``device`` and attribute every live tensor storage on it to its holder.
+
+    ``heap_scan=False`` is the quick view the after-cell hook uses on big heaps: only what the
+    user's variables, the output cache and stored tracebacks reach is found (no ``gc`` pass), so
+    garbage and library-held tensors are left out, and a note says so.
+    """
     started = time.perf_counter()
     where = resolve_device(device, nvml)
     reading = read_device(where, nvml)
@@ -138,13 +145,24 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     if torch is None:
         return Snapshot(where, reading, (), (), time.perf_counter() - started, 0, True,
                         ("torch is not imported in this process: no tensors to attribute",), top)
-    live = find_tensors(torch, where)
+    roots = roots if roots is not None else collect_roots()
+    types = tensor_types(torch)
+    if heap_scan:
+        live = find_tensors(torch, where)
+        try:
+            attribution = attribute(live, roots, torch, types, find_garbage=find_garbage,
+                                    budget_seconds=budget_seconds)
+        except BaseException:
+            live.release()
+            raise
+    else:
+        live, attribution = attribute_reachable(roots, torch, types, where, budget_seconds=budget_seconds)
     try:
-        attribution = attribute(live, roots if roots is not None else collect_roots(), torch,
-                                tensor_types(torch), find_garbage=find_garbage)
+        holders = attribution.holders
         storages = tuple(
-            replace(record, holder_kind=h.kind, holder_path=h.path) if (h := attribution.holders.get(key)) else record
-            for key, record in live.storages.items()
+            StorageRecord(r.key, r.device, r.bytes, r.dtype, r.shape, r.tensor_count, h.kind, h.path)
+            if (h := holders.get(key)) else r
+            for key, r in live.storages.items()
         )
     finally:
         live.release()
@@ -152,8 +170,13 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     for record in storages:
         totals[record.holder_kind] += record.bytes
     notes: list[str] = []
+    if not heap_scan:
+        notes.append(f"quick view: heap scan skipped, only what your variables, the output cache and stored "
+                     f"tracebacks reach is counted ({attribution.nodes_walked:,} objects walked); garbage and "
+                     f"library-held tensors are not — %gpumem scans the whole heap")
     if not attribution.complete:
-        notes.append(f"holder walk stopped after {attribution.nodes_walked} objects: some holders are shown as 'other'")
+        notes.append(f"holder walk stopped after {attribution.nodes_walked:,} objects: "
+                     + ("some holders are shown as 'other'" if heap_scan else "tensors beyond it are not counted"))
     if live.byteless:
         notes.append(f"{live.byteless} meta/fake tensors hold no device bytes and are not counted")
     if live.unreadable:
@@ -161,4 +184,4 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
                      "(a wrapper subclass holds none of its own; its inner tensors are counted)")
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
-                    live.objects_scanned, attribution.complete, tuple(notes), top)
+                    live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan)

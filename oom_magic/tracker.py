@@ -62,11 +62,18 @@ def tensor_types(torch: ModuleType) -> frozenset[type]:
 def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
     """Scan the gc heap for tensors (on ``device`` when given), grouped into storages."""
     types = tensor_types(torch)
-    byteless_types = frozenset(t for t in types if t.__name__ in _BYTELESS_TYPE_NAMES)
     objects = gc.get_objects()
     scanned = len(objects)
     tensors = list(compress(objects, map(types.__contains__, map(type, objects))))
     del objects
+    return group_storages(tensors, types, device, scanned)
+
+
+def group_storages(tensors: list[Any], types: frozenset[type], device: str | None = None,
+                   objects_scanned: int = 0) -> LiveTensors:
+    """Group ``tensors`` (emptied on return) into one record per storage on ``device`` (all when None)."""
+    byteless_types = frozenset(t for t in types if t.__name__ in _BYTELESS_TYPE_NAMES)
+    scanned = objects_scanned
     kept: list[Any] = []
     storage_of: dict[int, int] = {}
     # storage key -> [device, bytes, tensor naming it, tensor count, that tensor's shape or None];

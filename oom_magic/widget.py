@@ -38,7 +38,8 @@ from .render.cell import cell_caption, cell_details_html, cell_html, cell_text, 
 from .render.html import bar_html
 from .roots import collect_roots
 from .snapshot import Snapshot, snapshot
-from .watch import CellChange, CellRecord, CellReport, Thresholds, Watcher, WatchStatus, activate, deactivate
+from .watch import (CellChange, CellRecord, CellReport, ScanCost, Thresholds, Watcher, WatchStatus, activate,
+                    deactivate)
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
@@ -156,6 +157,7 @@ class CellWatch:
         self.shell = shell
         self.settings = settings
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
+        self.scan_cost = ScanCost()  # decides between a full scan and the quick view after a cell
         self.enabled = True
         self.warned_static = False  # "no ipywidgets" is said once, not under every cell
         self.live: list[MemoryWidget] = []
@@ -236,8 +238,12 @@ class CellWatch:
 
     # -- widgets ---------------------------------------------------------------------------------
     def _report(self, change: CellChange | None, device: str | None = None) -> CellReport:
-        """Scan the device (only here: something changed) and pair the snapshot with the change."""
-        snap = snapshot(change.device if change is not None else device, roots=collect_roots(self.shell))
+        """Scan the device (only here: something changed) and pair the snapshot with the change.
+
+        A full scan runs when its predicted cost fits ``OomMagics.hook_budget_ms``; otherwise the
+        quick view (a walk from your variables, cut off at the budget), and the widget says so.
+        """
+        snap = self._scan(change.device if change is not None else device, hook=True)
         if change is not None:
             record = self.watcher.note_scan(snap, change.record)
             if record is not None:
@@ -295,7 +301,24 @@ class CellWatch:
 
     def _free_and_rescan(self, device: str) -> tuple[FreeReport, Snapshot]:
         freed = free_stale(device, shell=self.shell)
-        return freed, snapshot(device, roots=collect_roots(self.shell))
+        return freed, self._scan(device, hook=False)
+
+    def _scan(self, device: str | None, *, hook: bool) -> Snapshot:
+        """A snapshot; under the after-cell budget (``hook``) the quick view when a full scan would not fit."""
+        roots = collect_roots(self.shell)
+        blocks = self.scan_cost.heap_blocks()
+        budget = max(int(getattr(self.settings, "hook_budget_ms", 50)), 0) / 1000
+        predicted = self.scan_cost.predict(blocks)
+        if hook and predicted > budget:
+            snap = snapshot(device, roots=roots, heap_scan=False, budget_seconds=budget)
+            why = (f"heap scan skipped: a full scan of this heap ({blocks:,} allocated blocks) would take about "
+                   f"{predicted * 1000:,.0f} ms, over the after-cell budget of {budget * 1000:,.0f} ms "
+                   "(OomMagics.hook_budget_ms)")
+            return replace(snap, notes=(why,) + snap.notes)
+        snap = snapshot(device, roots=roots)
+        if snap.heap_scan and snap.objects_scanned:
+            self.scan_cost.learn(snap.scan_seconds, blocks)
+        return snap
 
     def _watched_device(self) -> str | None:
         from ._torch import loaded_torch

@@ -50,7 +50,8 @@ def counted(name):
 
 real = {"tracker": tracker.gc, "holders": holders.gc}
 tracker.gc = types.SimpleNamespace(get_objects=counted("get_objects"))
-holders.gc = types.SimpleNamespace(get_referrers=counted("get_referrers"), get_referents=gc.get_referents)
+holders.gc = types.SimpleNamespace(get_referrers=counted("get_referrers"), get_referents=gc.get_referents,
+                                   is_tracked=gc.is_tracked)
 started = time.perf_counter()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -109,20 +110,14 @@ def test_gpumem_on_a_10m_heap_finishes_and_says_how_long_it_took(big_heap: dict[
     assert big_heap["x"] == 32 << 20 and big_heap["x_kind"] == ["user"]
 
 
-@pytest.mark.xfail(strict=True, reason="finding 10: the after-cell hook (widget.py CellWatch._report) runs a full "
-                                       "snapshot on any cell that changed memory, however big the heap: on 10 M "
-                                       "objects that is one gc.get_objects pass plus the holder walk (~12 s here, "
-                                       "~27 s with garbage to find); it neither skips nor samples, nor says so")
 def test_the_hook_keeps_to_its_budget_and_says_so(big_heap: dict[str, Any]) -> None:
+    """Finding 10 (fixed in widget.py): a changed cell ran a full snapshot whatever the heap's size."""
     passes = big_heap["hook_passes"]
     said = [n for n in big_heap["hook_notes"] if "skipped" in n or "sampled" in n]
     assert said, big_heap["hook_notes"]
     assert passes["get_referrers"] == 0 and (passes["get_objects"] == 0 or any("sampled" in n for n in said))
 
 
-@pytest.mark.xfail(strict=True, reason="finding 11: holders.py _Walk.run checks its node and time budget only "
-                                       "between objects, so one 10 M-item list queues 10 M entries and spends the "
-                                       "whole 5 s budget: the walk stops after ~1,000 objects and the variables "
-                                       "after it (net.weight here) are left as 'other'")
 def test_one_huge_container_does_not_starve_the_other_variables(big_heap: dict[str, Any]) -> None:
+    """Finding 11 (fixed in holders.py): a 10 M-item list queued 10 M entries and spent the walk's budget."""
     assert big_heap["net"] == (64 * 64 + 64) * 4

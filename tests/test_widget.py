@@ -29,8 +29,10 @@ def watch(ip):
     """The loaded extension's CellWatch, torch imported in the shell, settings restored afterwards."""
     magics = ip.magics_manager.registry["OomMagics"]
     ip.run_cell("import torch", store_history=True)
+    # A budget every full scan here fits: these tests check the full view (the quick view: below).
+    ip.run_line_magic("config", "OomMagics.hook_budget_ms = 600000")
     yield magics.cell_watch
-    for name in ("auto_display", "live_widgets", "cpu_change_threshold", "gpu_change_threshold"):
+    for name in ("auto_display", "live_widgets", "cpu_change_threshold", "gpu_change_threshold", "hook_budget_ms"):
         ip.config.OomMagics.pop(name, None)
 
 
@@ -260,3 +262,70 @@ def test_frozen_widgets_close_every_model(ip, watch) -> None:
 def test_cell_watch_is_the_registered_one(ip, watch) -> None:
     assert isinstance(watch, CellWatch)
     assert watch.status().cells_recorded == len(watch.watcher.history)
+
+
+# --------------------------------------------------------------------------- the quick view
+
+
+@pytest.fixture
+def heap_passes(monkeypatch) -> list[str]:
+    """Counts the heap passes snapshots make (a spy: the real find_tensors still runs)."""
+    import sys
+
+    snapshot_module = sys.modules["oom_magic.snapshot"]  # the package's `snapshot` is the function
+    calls: list[str] = []
+    real = snapshot_module.find_tensors
+
+    def counted(torch, device=None):
+        calls.append(device)
+        return real(torch, device)
+
+    monkeypatch.setattr(snapshot_module, "find_tensors", counted)
+    return calls
+
+
+def test_over_its_budget_the_hook_shows_the_quick_view_and_says_so(ip, watch, heap_passes) -> None:
+    ip.run_line_magic("config", "OomMagics.hook_budget_ms = 0")  # no full scan fits
+    run(ip, "kept = torch.ones(16 << 20)")
+    run(ip, "torch.ones(8 << 20) * 2")  # only the output cache holds this one
+    widget = watch.live[-1]
+    snap = widget.report.snapshot
+    assert heap_passes == [] and not snap.heap_scan
+    # What the walk reaches is still named, and the output cache is still stale.
+    assert snap.held_by("kept") == 64 * MiB and snap.stale_bytes == 32 * MiB
+    assert widget.caption.value.endswith(" · stale 32.00 MiB (quick view)")
+    assert snap.notes[0].startswith("heap scan skipped: a full scan of this heap (")
+    assert "over the after-cell budget of 0 ms (OomMagics.hook_budget_ms)" in snap.notes[0]
+    assert any(n.startswith("quick view: ") for n in snap.notes)
+    assert "heap scan skipped" in widget.details_body.value
+
+
+def test_the_quick_view_misses_garbage_and_the_button_still_frees_it(ip, watch, heap_passes) -> None:
+    ip.run_line_magic("config", "OomMagics.hook_budget_ms = 0")
+    run(ip, "import gc\ngc.disable()")
+    try:
+        run(ip, "class Node: pass\n"
+                "n = Node(); n.me = n; n.weights = torch.ones(8 << 20)\n"
+                "probe = torch.ones(16 << 20) * 2")  # the output cache holds this one
+        run(ip, "del n")  # the 32 MiB cycle is garbage now; the cell also changes the output count
+        run(ip, "probe2 = torch.ones(16 << 20)")
+        widget = watch.live[-1]
+        assert not widget.report.snapshot.heap_scan
+        assert widget.report.snapshot.kind_bytes("garbage") == 0  # the walk cannot see it
+        widget.button.click()  # the button runs the full cleanup and a full rescan
+        assert widget.report.freed is not None and widget.report.freed.freed_bytes >= 32 * MiB
+        assert widget.report.snapshot.heap_scan and widget.report.snapshot.stale_bytes == 0
+        assert heap_passes  # the full rescan ran
+        assert ip.user_ns["probe2"].sum().item() == 16 << 20
+    finally:
+        run(ip, "gc.enable()")
+
+
+def test_within_its_budget_the_hook_scans_the_whole_heap_and_learns_its_cost(ip, watch, heap_passes) -> None:
+    rate = watch.scan_cost.seconds_per_block
+    run(ip, "kept = torch.ones(16 << 20)")
+    snap = watch.live[-1].report.snapshot
+    assert heap_passes == ["cpu"] and snap.heap_scan
+    assert not any("quick view" in n for n in snap.notes)
+    assert watch.scan_cost.seconds_per_block != rate  # folded in the measured scan
+

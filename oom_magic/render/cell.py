@@ -41,7 +41,8 @@ def cell_caption(report: CellReport, *, pinned: bool = False) -> str:
         parts.append(f"variables {format_bytes(change.variable_delta, signed=True)}")
     if change is not None and change.oom:
         parts.append("out of memory")
-    parts.append(f"stale {format_bytes(snap.stale_bytes)}")
+    # The quick view (no heap scan) sees the output cache and tracebacks, not garbage.
+    parts.append(f"stale {format_bytes(snap.stale_bytes)}" + ("" if snap.heap_scan else " (quick view)"))
     if report.freed is not None:
         parts.append(f"freed {format_bytes(report.freed.freed_bytes)}")
     return " · ".join(parts)

@@ -131,7 +131,7 @@ def test_quickstart_runs_in_jupyterlab(browser_page, jupyter_lab: JupyterLab) ->
     caption = widget.locator(".widget-label").first
     caption.wait_for(state="visible", timeout=60_000)
     assert page.get_by_text("Error displaying widget").count() == 0
-    assert re.search(r" · stale 32\.00 MiB$", caption.inner_text()), caption.inner_text()
+    assert re.search(r" · stale 32\.00 MiB( \(quick view\))?$", caption.inner_text()), caption.inner_text()
     assert widget.locator(".oom-bar .oom-seg").count() >= 2
     assert widget.locator(".oom-bar .oom-seg-stale").is_visible()
     button = widget.locator("button.widget-button", has_text="Free stale tensors")
