@@ -284,7 +284,11 @@ def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
         where = _device_from_message(message)
     self_pid = os.getpid() if self_pid is None else self_pid
     requested = message.requested if message else None
+    if process_limit is None and message is not None:
+        process_limit = message.allowed  # the message names the per-process cap when one was set
     capped_free = at_failure.free if at_failure is not None and process_limit is not None else None
+    if process_limit is not None and message is not None and message.reserved_total is not None:
+        capped_free = max(process_limit - message.reserved_total, 0)  # what the cap still allowed
     # Under a per-process cap the device's free memory is not what this process could still get.
     free = _first(capped_free, message.free if message else None, at_failure.free if at_failure else None)
     total = _first(message.total if message else None, _total(at_failure, now, before))

@@ -57,7 +57,7 @@ class Attribution:
 _ROOT, _SUFFIX, _INDEX, _KEY, _KEYPOS, _ATTR, _MODATTR = range(7)
 # What the walk does with an object, decided once per class (first match, as listed).
 (_TENSOR, _DICT, _LIST, _TUPLE, _SET, _FROZENSET, _LEAF, _FUNCTION, _METHOD, _TRACEBACK, _FRAME,
- _EXCEPTION, _LRU_CACHE, _CELL, _NN_MODULE, _OBJECT) = range(16)
+ _EXCEPTION, _LRU_CACHE, _CELL, _NN_MODULE, _OBJECT, _SLOTTED) = range(17)  # _SLOTTED: __dict__ not read
 
 # A queue entry: (object, parent entry, step kind, step data, step index); roots have no parent.
 _Entry = tuple
@@ -172,10 +172,16 @@ class _Walk:
                             for i, item in enumerate(items):
                                 if is_tracked(item) and (type(item) is not list or any(map(is_tracked, item))):
                                     push((item, entry, _INDEX, i, 0))
-                    elif what is _OBJECT:
-                        for name, value in list(instance_dict(obj).items()):
-                            if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
-                                push((value, entry, _ATTR, name, 0))
+                    elif what is _OBJECT or what is _SLOTTED:
+                        if what is _OBJECT:  # the class's __dict__ is CPython's slot: no user code runs
+                            try:
+                                attrs = object.__getattribute__(obj, "__dict__")
+                            except Exception:
+                                attrs = None
+                            if type(attrs) is dict:
+                                for name, value in list(attrs.items()):
+                                    if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
+                                        push((value, entry, _ATTR, name, 0))
                         slots = slots_of.get(cls)
                         if slots is None:
                             slots = slots_of[cls] = _slot_names(cls)
@@ -241,7 +247,7 @@ class _Walk:
                 return _CELL
             if self.module_type is not None and issubclass(cls, self.module_type):
                 return _NN_MODULE
-            return _OBJECT
+            return _OBJECT if _plain_dict_slot(cls) else _SLOTTED
         except Exception:
             return _LEAF  # a class that cannot be inspected safely: do not descend
 

@@ -95,6 +95,7 @@ class OOMMessage:
     other_allocations: int | None  # MPS "other allocations"
     pool: str | None  # MPS 'private' | 'shared'
     text: str = field(repr=False)  # the one OOM message as found, whitespace normalised
+    allowed: int | None = None  # "X allowed;": the cap set_per_process_memory_fraction put on this process
 
 
 def parse_oom_message(text: str) -> OOMMessage | None:
@@ -154,7 +155,7 @@ def _parse_gpu(window: str) -> OOMMessage:
     if v1 := _GPU_V1.match(window, pos):
         allocated = _size(v1, 4)
         found.update(device_index=_count(v1.group(1)), total=_size(v1, 2), allocated=allocated,
-                     free=_size(v1, 6))
+                     free=_size(v1, 6), allowed=_size(v1, 8))
         reserved = _size(v1, 10)
         if v1.group(12) == "cached":
             found.update(reserved_unallocated=reserved, reserved_total=_sum(allocated, reserved))
@@ -172,7 +173,9 @@ def _parse_gpu(window: str) -> OOMMessage:
                     processes.append((pid, used))
             elif m := _THIS_PROCESS.match(window, pos):
                 found["this_process"] = _size(m, 1)
-            elif not (m := _ALLOWED.match(window, pos)):  # the fraction limit has no field
+            elif m := _ALLOWED.match(window, pos):  # the per-process fraction's limit
+                found["allowed"] = _size(m, 1)
+            else:
                 break
             pos = m.end()
         found["processes"] = tuple(processes)

@@ -194,7 +194,12 @@ def test_too_big_for_a_per_process_cap(estimate):
     assert big.kind == "too-big" and {"over-capacity", "process-limit"} <= set(big.flags)
     assert big.figure("total") == 200 * 1024
     assert "set_per_process_memory_fraction lets it use 200.00 KiB of cuda:0" in diagnosis_text(d)
-    assert diagnose(message, device="cuda:0", estimate=estimate, need=fp32).cause("too-big") is None  # 79 GiB device
+    # Without process_limit the message's own "200.00 KiB allowed" figure says the same.
+    from_message = diagnose(message, device="cuda:0", estimate=estimate, need=fp32)
+    assert from_message.top.kind == "too-big" and "process-limit" in from_message.top.flags
+    assert from_message.top.figure("total") == 200 * 1024 and from_message.cause("fragmentation") is None
+    uncapped = message.replace(" 200.00 KiB allowed;", "")
+    assert diagnose(uncapped, device="cuda:0", estimate=estimate, need=fp32).cause("too-big") is None  # 79 GiB device
 
 
 

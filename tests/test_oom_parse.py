@@ -153,7 +153,7 @@ def test_several_process_lines_in_nvml_order() -> None:
     assert got.reserved_total == gib("58.25")
 
 
-def test_allowed_limit_and_private_pools_are_read_past() -> None:
+def test_allowed_limit_and_private_pools_are_read() -> None:
     # from source: set_per_process_memory_fraction adds "X allowed; ", CUDA graphs add a clause
     text = (
         "CUDA out of memory. Tried to allocate 512.00 MiB. GPU 1 has a total capacity of 39.39 GiB "
@@ -170,6 +170,15 @@ def test_allowed_limit_and_private_pools_are_read_past() -> None:
     assert got.allocated == 18 * 2**30
     assert got.reserved_unallocated == 500 * 2**20
     assert got.reserved_total == 18 * 2**30 + 500 * 2**20
+    assert got.allowed == gib("19.69")  # the cap a --target rehearsal (or the user) set
+
+
+def test_1x_allowed_limit_is_read() -> None:
+    got = parse_oom_message("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 15.78 GiB total "
+                            "capacity; 14.00 GiB already allocated; 10.00 MiB free; 7.00 GiB allowed; 14.50 GiB "
+                            "reserved in total by PyTorch)")
+    assert got is not None and got.allowed == 7 * 2**30 and got.reserved_total == gib("14.50")
+    assert parse_oom_message("torch.cuda.OutOfMemoryError: " + CUDA_1X_RESERVED).allowed is None
 
 
 def test_1x_reserved_in_total_format() -> None:
