@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ._torch import cuda_initialized, loaded_torch
+from .roots import is_user_name
 
 if TYPE_CHECKING:
     from .cleanup import FreeReport
@@ -439,7 +440,8 @@ class _BoundTensors:
             self._namespace_id, self._tracked, self._tail = id(namespace), {}, frozenset()
         tracked = self._tracked
         for key in self._candidates(namespace, source):
-            kind = self._kind(type(dict.get(namespace, key)), torch)
+            # IPython's own names (``_``, ``_7``, ``Out``) are the output cache, not variables.
+            kind = self._kind(type(dict.get(namespace, key)), torch) if is_user_name(key) else 0
             if kind:
                 tracked[key] = kind
         storages: dict[int, int] = {}

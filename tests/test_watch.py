@@ -85,6 +85,18 @@ def test_cpu_tensor_bound_to_a_variable_counts_even_when_no_page_is_touched() ->
     assert gone.variable_delta == -64 * MiB and gone.changed
 
 
+def test_the_output_cache_is_not_counted_as_variables() -> None:
+    w = Watcher()
+    ns: dict = {}
+    w.after_cell(1, None, ns)
+    # What IPython's displayhook binds after a cell shows a tensor: `_`, `_2` and `Out`.
+    shown = torch.empty(64 * MiB, dtype=torch.uint8)
+    change = run_cell(w, 2, ns, lambda: ns.update({"_": shown, "_2": shown, "Out": {2: shown}}))
+    assert change.variable_delta == 0 and "variables" not in change.reasons
+    bound = run_cell(w, 3, ns, lambda: ns.update(kept=shown))
+    assert bound.variable_delta == 64 * MiB  # the same tensor, now bound by the user
+
+
 def test_cpu_module_parameters_and_buffers_count_once() -> None:
     w = Watcher()
     ns: dict = {}
