@@ -13,7 +13,7 @@ import time
 import types
 import weakref
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain, islice, repeat
 from typing import Any, Iterator
 
 from .roots import Roots
@@ -65,25 +65,6 @@ _Entry = tuple
 _BIG = 4096
 
 
-def _slices(entry: _Entry, what: int) -> Iterator[list[_Entry]]:
-    """A big container's children as queue entries, ``_BIG`` at a time (never all at once)."""
-    obj = entry[0]
-    if what is _DICT:
-        items = enumerate(dict.items(obj))
-        while chunk := list(islice(items, _BIG)):
-            level: list[_Entry] = []
-            for i, (key, value) in chunk:
-                if gc.is_tracked(key):
-                    level.append((key, entry, _KEYPOS, i, 0))
-                if gc.is_tracked(value):
-                    level.append((value, entry, _KEY, key, i))
-            yield level
-    else:
-        values = enumerate(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
-        while chunk := list(islice(values, _BIG)):
-            yield [(item, entry, _INDEX, i, 0) for i, item in chunk if gc.is_tracked(item)]
-
-
 class _Walk:
     """Breadth-first walk from named roots; the first path reaching a storage wins.
 
@@ -113,11 +94,84 @@ class _Walk:
         self._level_walk(kind, [(obj, None, _ROOT, name, 0) for name, obj in roots])
         while self._big and self.complete:
             entry, what = self._big.pop(0)
-            for chunk in _slices(entry, what):
-                self._level_walk(kind, chunk)
+            for chunk, leaves in self._slices(entry, what):
+                if leaves:
+                    self._mark_walked(leaves)
+                else:
+                    self._level_walk(kind, chunk)
                 if not self.complete:
                     break
         self._big.clear()
+
+    def _slices(self, entry: _Entry, what: int) -> Iterator[tuple[list[_Entry], list[object]]]:
+        """A big container's children, ``_BIG`` at a time (never all at once): (entries to walk, leaves).
+
+        A slice of records that cannot lead to a tensor (a tokenised dataset's rows) comes back
+        as leaves: marked as walked in C-level passes, without a queue entry each.
+        """
+        obj = entry[0]
+        if what is _DICT:
+            items = enumerate(dict.items(obj))
+            while chunk := list(islice(items, _BIG)):
+                level: list[_Entry] = []
+                for i, (key, value) in chunk:
+                    if gc.is_tracked(key):
+                        level.append((key, entry, _KEYPOS, i, 0))
+                    if gc.is_tracked(value):
+                        level.append((value, entry, _KEY, key, i))
+                yield level, []
+        else:
+            values = iter(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
+            start = 0
+            while chunk := list(islice(values, _BIG)):
+                if self._leaves(chunk):
+                    yield [], chunk
+                else:
+                    yield [(item, entry, _INDEX, i, 0) for i, item in enumerate(chunk, start)
+                           if gc.is_tracked(item)], []
+                start += len(chunk)
+
+    def _leaves(self, items: list[object]) -> bool:
+        """Whether none of ``items`` can lead to a tensor, decided in C-level passes.
+
+        For rows of one shape only: plain dicts, or instances of one plain class (its ``__dict__``
+        CPython's own, no ``__slots__``), whose keys are untracked and whose tracked values are
+        plain lists of untracked items (``{"id": 7, "tokens": [101, 2023], "meta": {"n": 2}}``).
+        """
+        classes = set(map(type, items))
+        if len(classes) != 1:
+            return False
+        cls = classes.pop()
+        if cls is dict:
+            dicts = items
+        else:
+            what = self._kinds.get(cls)
+            if what is None:
+                what = self._kinds[cls] = self._classify(cls)
+            slots = self._slots.get(cls)
+            if slots is None:
+                slots = self._slots[cls] = _slot_names(cls)
+            if what is not _OBJECT or slots:
+                return False
+            try:  # the class's __dict__ is CPython's slot (_OBJECT): no user code runs
+                dicts = list(map(object.__getattribute__, items, repeat("__dict__")))
+            except Exception:
+                return False
+            if set(map(type, dicts)) != {dict}:
+                return False
+        if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, dicts)))):
+            return False
+        values = list(filter(gc.is_tracked, chain.from_iterable(map(dict.values, dicts))))
+        if not values:
+            return True
+        return set(map(type, values)) == {list} and not any(map(gc.is_tracked, chain.from_iterable(values)))
+
+    def _mark_walked(self, leaves: list[object]) -> None:
+        """Count objects that hold nothing worth a visit as walked (no entry, no classification)."""
+        self.visited.update(map(id, leaves))
+        self.nodes += len(leaves)
+        if self.nodes >= self.budget_nodes or time.perf_counter() > self.deadline:
+            self.complete = False
 
     def _level_walk(self, kind: str, level: list[_Entry]) -> None:
         # Level by level in FIFO order: the same order as a queue, with fewer operations per object.
@@ -168,7 +222,10 @@ class _Walk:
                             big((entry, what))
                             continue
                         items = list(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
-                        if any(map(is_tracked, items)):
+                        if len(items) >= 16 and self._leaves(items):  # records: walked in C-level passes
+                            visited.update(map(id, items))
+                            nodes += len(items)
+                        elif any(map(is_tracked, items)):
                             for i, item in enumerate(items):
                                 if is_tracked(item) and (type(item) is not list or any(map(is_tracked, item))):
                                     push((item, entry, _INDEX, i, 0))
@@ -397,19 +454,21 @@ def _slot_names(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _module_children(module: Any) -> Iterator[tuple[object, int, object]]:
+def _module_children(module: Any) -> list[tuple[object, int, object]]:
+    """An nn.Module's parameters, buffers and submodules by name, then its other tracked attributes."""
     attrs = instance_dict(module)
+    children: list[tuple[object, int, object]] = []
     for group in _MODULE_CHILD_DICTS:
-        children = attrs.get(group)
-        if type(children) is dict:
-            for name, value in list(children.items()):
-                if value is not None:
-                    yield value, _MODATTR, name
+        named = attrs.get(group)
+        if type(named) is dict:
+            children.extend((value, _MODATTR, name) for name, value in list(named.items()) if value is not None)
+    is_tracked = gc.is_tracked
     for name, value in list(attrs.items()):
-        if name not in _MODULE_CHILD_DICTS and type(value) not in _ATOMIC and not (
-            isinstance(name, str) and name.startswith("_") and name.endswith("hooks")
+        if is_tracked(value) and name not in _MODULE_CHILD_DICTS and not (
+            type(name) is str and name.startswith("_") and name.endswith("hooks")
         ):
-            yield value, _ATTR, name
+            children.append((value, _ATTR, name))
+    return children
 
 
 def _function_children(func: types.FunctionType) -> Iterator[tuple[object, str]]:
@@ -468,8 +527,8 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
             holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
         unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and trace_other:
-        for key, chain in _referrer_chains(live, unclaimed).items():
-            holders.setdefault(key, Holder(OTHER, chain, "referrers"))
+        for key, path in _referrer_chains(live, unclaimed).items():
+            holders.setdefault(key, Holder(OTHER, path, "referrers"))
     return Attribution(holders, walk.complete, walk.nodes, user_reachable)
 
 

@@ -129,3 +129,36 @@ def test_library_global_is_other_with_a_python_path(monkeypatch):
     assert paths["fake_lib.CACHE['weights'][0]"].bytes == 256 * 256 * 4
     assert any(p.endswith(".inner['t']") for p in paths), paths
     assert orphan_holder
+
+
+class Row:
+    """A user's record object (plain __dict__, no slots)."""
+
+    def __init__(self, i: int) -> None:
+        self.id, self.tokens, self.meta = i, [i, 13, 262], {"len": 3}
+
+
+@pytest.mark.parametrize("rows", [40, 10_000])  # a normal list, and one past the walk's big-container size
+def test_records_are_walked_in_bulk_yet_a_tensor_among_them_is_found(rows: int):
+    records = [{"id": i, "tokens": [i, 13, 262], "meta": {"len": 3}} for i in range(rows)]
+    objects = [Row(i) for i in range(rows)]
+    records[rows - 7]["pixels"] = torch.ones(11)  # one row of each holds a tensor
+    objects[rows // 2].pixels = torch.ones(13)
+    storages, paths = _scan(records=records, objects=objects)
+    assert paths[_key(records[rows - 7]["pixels"])] == f"records[{rows - 7}]['pixels']"
+    assert paths[_key(objects[rows // 2].pixels)] == f"objects[{rows // 2}].pixels"
+
+
+def test_a_row_class_with_a_dict_property_is_never_read_in_bulk():
+    calls = []
+
+    class Odd:
+        @property
+        def __dict__(self):
+            calls.append(1)
+            return {}
+
+    rows = [Odd() for _ in range(64)]
+    t = torch.ones(5)
+    _, paths = _scan(rows=rows, t=t)
+    assert calls == [] and paths[_key(t)] == "t"
