@@ -113,13 +113,13 @@ def _in_process(module: str, function: str = "run", kwargs: dict[str, Any] | Non
 
 
 def prepare_before(ref: str = BEFORE_REF) -> tuple[str | None, str]:
-    """A temporary ``oom_magic_before`` package: today's package with ``ref``'s tracker.py and holders.py.
+    """A temporary ``oom_magic_before`` package: today's package with ``ref``'s tracker, holders and snapshot.
 
     Read-only git (``git show``); returns (folder or None, a note saying what was used or why not).
     """
     try:
         files = {}
-        for name in ("tracker.py", "holders.py"):
+        for name in ("tracker.py", "holders.py", "snapshot.py"):
             proc = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:oom_magic/{name}"],
                                   capture_output=True, text=True, timeout=30)
             if proc.returncode != 0:
@@ -130,9 +130,12 @@ def prepare_before(ref: str = BEFORE_REF) -> tuple[str | None, str]:
     folder = Path(tempfile.mkdtemp(prefix="oom-magic-before-"))
     shutil.copytree(ROOT / "oom_magic", folder / "oom_magic_before",
                     ignore=shutil.ignore_patterns("__pycache__"))
+    # Names today's package imports from holders.py that the old one spelt privately.
+    if "def instance_dict" not in files["holders.py"]:
+        files["holders.py"] += "\n\ninstance_dict = _instance_dict  # bench shim\n"
     for name, text in files.items():
         (folder / "oom_magic_before" / name).write_text(text)
-    return str(folder), f"'before' = tracker.py and holders.py of commit {ref}, the rest of the package as now"
+    return str(folder), f"'before' = tracker.py, holders.py and snapshot.py of commit {ref}, the rest of the package as now"
 
 
 # ----------------------------------------------------------------------------- kernel anchor
