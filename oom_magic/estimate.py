@@ -491,25 +491,25 @@ def _check_entry(
     label: str, name: str, info: object, data_size: int
 ) -> tuple[int, int, str, str, tuple[int, ...]]:
     """Check one tensor entry; return (begin, end, name, dtype, shape)."""
-    what = f"{label}: tensor {_short(name)}"
     if not isinstance(info, dict):
-        raise OomMagicError(f"{what} is described by a JSON {_json_kind(info)}, not an object")
+        raise OomMagicError(f"{_what(label, name)} is described by a JSON {_json_kind(info)}, not an object")
     code = info.get("dtype")
     dtype = _SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
+        what = _what(label, name)
         raise OomMagicError(
             f"{what} has unknown dtype {_short(str(code))}; known: {', '.join(_SAFETENSORS_DTYPES)}"
         )
     shape = info.get("shape")
     if type(shape) is not list:
-        raise OomMagicError(f"{what} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
+        raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
     elements = 1
     for dim in shape:
         if type(dim) is not int or dim < 0:
-            raise OomMagicError(f"{what} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
+            raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
         elements *= dim
         if elements > _MAX_ELEMENTS:
-            raise OomMagicError(f"{what} has shape {_short(str(shape))}, over 2**64 elements")
+            raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}, over 2**64 elements")
     offsets = info.get("data_offsets")
     if (
         type(offsets) is not list
@@ -519,22 +519,27 @@ def _check_entry(
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise OomMagicError(
-            f"{what} has data_offsets {_short(str(offsets))}; they must be [begin, end] with 0 <= begin <= end"
+            f"{_what(label, name)} has data_offsets {_short(str(offsets))}; they must be [begin, end] with 0 <= begin <= end"
         )
     begin, end = offsets
     bits = elements * _DTYPE_BITS[dtype]
     if bits % 8:
-        raise OomMagicError(f"{what}: {elements} {dtype} elements do not fill whole bytes")
+        raise OomMagicError(f"{_what(label, name)}: {elements} {dtype} elements do not fill whole bytes")
     if end - begin != bits // 8:
         raise OomMagicError(
-            f"{what} is {dtype} {shape} = {bits // 8} bytes, but its data_offsets span {end - begin} bytes"
+            f"{_what(label, name)} is {dtype} {shape} = {bits // 8} bytes, but its data_offsets span {end - begin} bytes"
         )
     if end > data_size:
         raise OomMagicError(
-            f"{what} ends at data byte {end}, but the file holds only {data_size} bytes of tensor data; "
+            f"{_what(label, name)} ends at data byte {end}, but the file holds only {data_size} bytes of tensor data; "
             "the file is truncated"
         )
     return begin, end, name, dtype, tuple(shape)
+
+
+def _what(label: str, name: str) -> str:
+    """How an error names one header entry (built only when there is an error to report)."""
+    return f"{label}: tensor {_short(name)}"
 
 
 def _json_kind(value: object) -> str:
