@@ -22,10 +22,11 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import NamedTuple
 
 from .checkpoints import (
     CheckpointFiles,
+    check_zip_directory,
     find_checkpoint_files,
     one_line,
     read_config,
@@ -90,7 +91,6 @@ _MAX_HEADER_BYTES = 100_000_000  # safetensors' own MAX_HEADER_SIZE: the library
 _MAX_READ_HEADER_BYTES = 4 * 1024 * 1024
 _MAX_HEADER_VALUES = 500_000
 _MAX_ZIP_MEMBERS = 100_000  # a torch.save zip holds one member per storage plus ~6
-_MAX_ZIP_DIRECTORY = 16 * 1024 * 1024  # ~100 bytes per member: 100,000 members fit
 _MAX_PICKLE_BYTES = 16 * 1024 * 1024  # a 70B state dict's data.pkl is ~100 KB
 # The opcode walk stops (sizes stay exact, dtypes unknown) past these: ~10,000 tensors' worth of
 # opcodes, and a bound on what the symbolic stack and memo hold, whatever the bytes say.
@@ -629,7 +629,7 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> Iterator[_Stored]:
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            _check_zip_directory(handle, size, label)
+            check_zip_directory(handle, label)
             try:
                 archive = zipfile.ZipFile(handle)
             except zipfile.BadZipFile as exc:
@@ -733,32 +733,6 @@ def _linear_views(dtype: str, elements: int, views: dict[_View, list[str]]) -> t
     if sum(n for n, _ in parts) != elements:
         return ()
     return tuple(parts)
-
-
-def _check_zip_directory(handle: BinaryIO, size: int, label: str) -> None:
-    """Refuse zips whose central directory is too big to parse, before zipfile parses it."""
-    tail_len = min(size, 22 + 0xFFFF)
-    handle.seek(size - tail_len)
-    tail = handle.read(tail_len)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) - at < 22:
-        raise OomMagicError(f"{label}: no zip end-of-directory record; the file is truncated")
-    entries = int.from_bytes(tail[at + 10:at + 12], "little")
-    directory = int.from_bytes(tail[at + 12:at + 16], "little")
-    locator = at - 20
-    if (entries == 0xFFFF or directory == 0xFFFFFFFF) and locator >= 0 and tail[locator:locator + 4] == b"PK\x06\x07":
-        offset = int.from_bytes(tail[locator + 8:locator + 16], "little")
-        if offset + 56 <= size:
-            handle.seek(offset)
-            record = handle.read(56)
-            if record[:4] == b"PK\x06\x06":
-                entries = int.from_bytes(record[32:40], "little")
-                directory = int.from_bytes(record[40:48], "little")
-    if entries > _MAX_ZIP_MEMBERS or directory > _MAX_ZIP_DIRECTORY:
-        raise OomMagicError(
-            f"{label}: zip directory of {entries} members / {directory} bytes is not a torch checkpoint"
-        )
-    handle.seek(0)
 
 
 def _scan_pickle(

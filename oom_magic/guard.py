@@ -39,12 +39,13 @@ from .errors import OomMagicError
 from .oom import OOMMessage, is_out_of_memory, parse_oom_message
 from .preflight import Preflight, cuda_process_cap, parse_headroom, usable_ram
 from .roots import Roots, collect_roots, current_shell, is_user_name
+from .targets import Cap, Target, capped, memory_fraction_for, parse_target
 
 if TYPE_CHECKING:
     from types import ModuleType
 
 __all__ = ["AllocatorSetting", "Attempt", "GiveBack", "GuardRefused", "GuardReport", "GuardedLoad", "PeakReading",
-           "VariableUse", "allocator_setting", "apply_allocator_setting", "compile_cell", "guard_load", "largest_free_block"]
+           "Rehearsal", "VariableUse", "allocator_setting", "apply_allocator_setting", "compile_cell", "guard_load", "largest_free_block"]
 
 _ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*(\w+)")
@@ -147,6 +148,33 @@ class Attempt:
 
 
 @dataclass(frozen=True)
+class Rehearsal:
+    """How ``--target`` was rehearsed: the cell ran capped as that GPU, or only the fit check ran, and why.
+
+    ``reason`` when there is no cap: 'not-cuda' | 'not-larger' (this device is not larger than the
+    target plus what this process holds) | 'torch-not-imported' | 'cuda-not-initialized' (the load
+    was not seen going to CUDA, so no context was created for the cap) | 'cap-failed'.
+    """
+
+    target: Target
+    device: str
+    checked: bool  # the preflight sized a load against the target
+    cap: Cap | None = None  # the fraction set for the cell and the one put back
+    reason: str | None = None
+    device_total: int | None = None  # CUDA's total for this device (what the fraction multiplies)
+    held_before: int | None = None  # memory_allocated() before the cell: counted on top of the target
+    restored: bool | None = None  # the previous fraction was put back (None: not yet, or no cap)
+    error: str | None = None
+
+    @property
+    def limit(self) -> int | None:
+        """Bytes this process may reserve on the device under the cap."""
+        if self.cap is None or self.device_total is None:
+            return None
+        return int(self.cap.fraction * self.device_total)
+
+
+@dataclass(frozen=True)
 class GuardReport:
     """The story of one guarded load: before, each attempt, after. Int bytes, None where unknown."""
 
@@ -166,6 +194,7 @@ class GuardReport:
     snapshot: str | None = None  # where --snapshot wrote the allocator history, or why it did not
     notes: tuple[str, ...] = ()
     label: str = "guard_load"  # '%%guardload' in the magic
+    rehearsal: Rehearsal | None = None  # --target: how the load was rehearsed for that GPU
 
     @property
     def last(self) -> Attempt:
@@ -587,10 +616,13 @@ class GuardedLoad:
                  shell: Any = None, namespace: dict | None = None, out: TextIO | None = None,
                  format_traceback: Callable[[BaseException], str] | None = None,
                  label: str = "guard_load", env: MutableMapping[str, str] | None = None,
-                 device_hint: str | None = None) -> None:
+                 device_hint: str | None = None, target: str | Target | None = None) -> None:
         if type(retry) is not int or retry < 0:
             raise OomMagicError(f"retry must be a whole number, 0 or more, not {retry!r}")
         parse_headroom(headroom, 0)  # a bad spelling fails here, before anything runs
+        self.target = parse_target(target) if target is not None else None  # a bad target fails here too
+        self.rehearsal: Rehearsal | None = None
+        self._cap_exit: Callable[[], Any] | None = None
         self.requested_device = device
         self.device_hint = device_hint  # where the cell's load goes; falls back when this machine lacks it
         self.retry = retry
@@ -629,23 +661,26 @@ class GuardedLoad:
         __tracebackhide__ = True
         self.begin()
         attempts: list[Attempt] = []
-        for number in range(1, self.retry + 2):
-            start = self._start_attempt(number)
-            try:
-                value = fn(*args, **kwargs)
-            except BaseException as exc:
-                if not is_out_of_memory(exc):
-                    self._abort(start, exc, attempts)
-                    raise
-                attempts.append(self._failed(start, exc, number))
-                del exc
-            else:
-                attempts.append(self._succeeded(start, number))
-                self.value = value
-                break
-            if not self._retry_after(attempts[-1], number):
-                break
-        self._end(attempts)
+        try:
+            for number in range(1, self.retry + 2):
+                start = self._start_attempt(number)
+                try:
+                    value = fn(*args, **kwargs)
+                except BaseException as exc:
+                    if not is_out_of_memory(exc):
+                        self._abort(start, exc, attempts)
+                        raise
+                    attempts.append(self._failed(start, exc, number))
+                    del exc
+                else:
+                    attempts.append(self._succeeded(start, number))
+                    self.value = value
+                    break
+                if not self._retry_after(attempts[-1], number):
+                    break
+            self._end(attempts)
+        finally:
+            self._release_cap()  # an interrupt inside the guard's own steps still puts the fraction back
         return self.value
 
     def __enter__(self) -> GuardedLoad:
@@ -653,7 +688,11 @@ class GuardedLoad:
             raise OomMagicError("a with-block runs once, so it cannot retry: use `for attempt in "
                                 "guard_load(retry=N): with attempt: ...` or guard_load(retry=N).run(fn)")
         self.begin()
-        self._with_start = self._start_attempt(1)
+        try:
+            self._with_start = self._start_attempt(1)
+        except BaseException:
+            self._release_cap()
+            raise
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
@@ -673,15 +712,18 @@ class GuardedLoad:
     def __iter__(self) -> Iterator[_AttemptContext]:
         self.begin()
         attempts: list[Attempt] = []
-        for number in range(1, self.retry + 2):
-            context = _AttemptContext(self, number)
-            yield context
-            if context.attempt is None:
-                raise OomMagicError("each attempt must be used as a context manager: `with attempt: ...`")
-            attempts.append(context.attempt)
-            if context.attempt.outcome == "ok" or not self._retry_after(context.attempt, number):
-                break
-        self._end(attempts)
+        try:
+            for number in range(1, self.retry + 2):
+                context = _AttemptContext(self, number)
+                yield context
+                if context.attempt is None:
+                    raise OomMagicError("each attempt must be used as a context manager: `with attempt: ...`")
+                attempts.append(context.attempt)
+                if context.attempt.outcome == "ok" or not self._retry_after(context.attempt, number):
+                    break
+            self._end(attempts)
+        finally:
+            self._release_cap()  # also when the loop is left early (break, an error, the generator closed)
 
     # ----------------------------------------------------------------- steps
     def _say(self, text: str, *, always: bool = False) -> None:
@@ -725,8 +767,94 @@ class GuardedLoad:
 
             raise GuardRefused(refusal_line(self.preflight))
         self.snapshot_note = self._start_snapshot()
+        if self.target is not None:
+            self._plan_rehearsal()
         self.variables_before: dict[str, _VarBytes] = {}
         self.ids_before = {k: id(v) for k, v in list(dict.items(self.namespace)) if is_user_name(k)}
+
+    # ----------------------------------------------------------------- --target
+    def _plan_rehearsal(self) -> None:
+        """Decide whether the cell can run capped as the target here; if not, say why (one line).
+
+        The cap is a ``set_per_process_memory_fraction``, which needs CUDA initialized. When CUDA is
+        not initialized yet it is initialized for the cap only when the load is known to go to CUDA
+        (the user named a cuda device, or the cell's load targets one), as ``--snapshot`` does: the
+        cell would create that context a moment later anyway. Otherwise no context is created for
+        the cap, and the report says that only the fit check ran.
+        """
+        from .render.guard import rehearsal_line
+
+        target = self.target
+        assert target is not None
+        checked = self.preflight is not None and any(c.target is not None and c.need is not None
+                                                     for c in self.preflight.checks)
+        rehearsal = Rehearsal(target, self.device, checked)
+        if not self.device.startswith("cuda"):
+            rehearsal = replace(rehearsal, reason="not-cuda")
+        elif self.torch is None:
+            rehearsal = replace(rehearsal, reason="torch-not-imported")
+        elif not self._cuda_ready() and not self._loads_to_cuda():
+            rehearsal = replace(rehearsal, reason="cuda-not-initialized")
+        self.rehearsal = rehearsal
+        if rehearsal.reason is not None:  # on cpu that is expected; on a GPU it is a warning
+            self._say(rehearsal_line(rehearsal), always=rehearsal.reason != "not-cuda")
+
+    def _cuda_ready(self) -> bool:
+        """Whether the user's torch has CUDA initialized (asking creates no context)."""
+        try:
+            return bool(self.torch is not None and self.torch.cuda.is_initialized())
+        except Exception:
+            return False
+
+    def _loads_to_cuda(self) -> bool:
+        named = [d for d in (self.requested_device, self.device_hint) if d is not None]
+        if isinstance(self.preflight_source, Preflight) and self.preflight_source.device is not None:
+            named.append(self.preflight_source.device)
+        return any(d.startswith("cuda") for d in named)
+
+    def _apply_cap(self) -> None:
+        """Cap this process on the device at the target's usable memory plus what it holds now."""
+        from .render.guard import rehearsal_line
+
+        rehearsal = self.rehearsal
+        if rehearsal is None or rehearsal.reason is not None or rehearsal.cap is not None or self.torch is None:
+            return
+        cuda = self.torch.cuda
+        index = int(self.device.partition(":")[2] or 0)
+        try:
+            if not cuda.is_initialized():
+                cuda.init()  # only for a load known to go to CUDA (see _plan_rehearsal)
+            total = int(cuda.get_device_properties(index).total_memory)
+            held = int(cuda.memory_allocated(index))
+            fraction = memory_fraction_for(rehearsal.target.usable, total, held)
+            rehearsal = replace(rehearsal, device_total=total, held_before=held)
+            if fraction >= 1.0:
+                self.rehearsal = replace(rehearsal, reason="not-larger")
+                self._say(rehearsal_line(self.rehearsal), always=True)
+                return
+            manager = capped(cuda, index, fraction)
+            cap = manager.__enter__()
+        except Exception as exc:
+            self.rehearsal = replace(rehearsal, reason="cap-failed", error=f"{type(exc).__name__}: {exc}")
+            self._say(rehearsal_line(self.rehearsal), always=True)
+            return
+        self._cap_exit = lambda: manager.__exit__(None, None, None)
+        self.rehearsal = replace(rehearsal, cap=cap)
+
+    def _release_cap(self) -> None:
+        """Put the previous memory fraction back (once); a failed restore becomes a note, not an error."""
+        release, self._cap_exit = self._cap_exit, None
+        if release is None or self.rehearsal is None:
+            return
+        try:
+            release()
+        except Exception as exc:
+            cap = self.rehearsal.cap
+            where = f"torch.cuda.set_per_process_memory_fraction({cap.restore_to if cap else 1.0}, {cap.device_index if cap else 0})"
+            self.rehearsal = replace(self.rehearsal, restored=False,
+                                     error=f"could not put the previous fraction back ({exc}): run {where}")
+            return
+        self.rehearsal = replace(self.rehearsal, restored=True)
 
     def _resolve_device(self) -> str:
         if self.requested_device is not None:
@@ -761,6 +889,8 @@ class GuardedLoad:
     def _read(self) -> DeviceReading:
         reading = read_device(self.device)
         cap = cuda_process_cap(self.device, self.torch) if self.device.startswith("cuda") else None
+        if cap is None and self._cap_exit is not None and self.rehearsal is not None:
+            cap = self.rehearsal.limit  # torch < 2.9 cannot read the fraction back: the one --target set
         self._process_cap = cap
         if cap is not None and reading.free is not None:
             # set_per_process_memory_fraction: what this process may still reserve, not the device's free
@@ -777,6 +907,8 @@ class GuardedLoad:
 
     def _start_attempt(self, number: int) -> _Start:
         self.torch = self.torch or loaded_torch()
+        if number == 1:
+            self._apply_cap()  # before the readings, so "free" is what the cell may still take under the cap
         reading = self._read()
         index = int(self.device.partition(":")[2] or 0)
         was_initialized = cuda_initialized()
@@ -802,10 +934,11 @@ class GuardedLoad:
         first = (str(exc).strip().splitlines() or [""])[0]
         attempts = attempts + [Attempt(len(attempts) + 1, "error", seconds, f"{type(exc).__name__}: {first}")]
         after = self._read()
+        self._release_cap()
         self.report = GuardReport(self.device, "error", tuple(attempts), self.cleanup_report, self.allocator,
                                   self.preflight, start.reading, after, seconds, None, None,
                                   PeakReading(None, None, "none", "the cell raised an error"),
-                                  (), self.snapshot_note, tuple(self.notes), self.label)
+                                  (), self.snapshot_note, tuple(self.notes), self.label, self.rehearsal)
 
     def _failed(self, start: _Start, exc: BaseException, number: int) -> Attempt:
         """Out of memory: print the traceback, give back, parse and diagnose; keep no reference to exc."""
@@ -861,7 +994,8 @@ class GuardedLoad:
             ram_budget=self._ram_budget(), disk_budget=self._disk_budget(),
             free_limit=getattr(self, "_free_limit", None) if self.device == "cpu" else None,
             process_limit=getattr(self, "_process_cap", None), kernels=kernels)
-        self._say(diagnosis_text(diagnosis), always=True)
+        capped_as = self.rehearsal.target if self.rehearsal is not None and self.rehearsal.cap is not None else None
+        self._say(diagnosis_text(diagnosis, capped_as), always=True)
         return Attempt(number, "oom", seconds, f"{self._error_type.__name__}: {first}", message, give_back,
                        diagnosis, snapshot_file)
 
@@ -890,6 +1024,8 @@ class GuardedLoad:
         return (same or sized or [None])[0]
 
     def _headroom(self, reading: DeviceReading) -> int:
+        if self.rehearsal is not None and self.rehearsal.cap is not None:
+            return parse_headroom(self.headroom_spec, self.rehearsal.target.total)  # a percentage of the target
         return parse_headroom(self.headroom_spec, reading.total)
 
     def _ram_budget(self) -> int | None:
@@ -951,14 +1087,16 @@ class GuardedLoad:
         if last.outcome == "ok":
             start, seconds = self._finish
             after = self._read()
+            self._release_cap()
             self.report = self._ok_report(attempts, start, seconds, after)
             return
         give_back = last.give_back
         after = give_back.after if give_back is not None else self._read()
+        self._release_cap()
         self.report = GuardReport(self.device, "oom", tuple(attempts), self.cleanup_report, self.allocator,
                                   self.preflight, self._first_reading, after, last.seconds, None, None,
                                   PeakReading(None, None, "none", "the load ran out of memory"),
-                                  (), self.snapshot_note, tuple(self.notes), self.label)
+                                  (), self.snapshot_note, tuple(self.notes), self.label, self.rehearsal)
         if self.raise_on_oom:
             raise _short_exception(self._error_type, self.report)
 
@@ -977,7 +1115,7 @@ class GuardedLoad:
             self.notes.append(f"could not measure the new variables: {error}")
         return GuardReport(self.device, "ok", tuple(attempts), self.cleanup_report, self.allocator, self.preflight,
                            start.reading, after, seconds, delta, tensor_delta, peak, variables,
-                           self.snapshot_note, tuple(self.notes), self.label)
+                           self.snapshot_note, tuple(self.notes), self.label, self.rehearsal)
 
     def _peak(self, start: _Start, after: DeviceReading) -> PeakReading:
         if self.device.startswith("cuda"):
@@ -1128,7 +1266,7 @@ def _short_exception(error_type: type[BaseException], report: GuardReport) -> Ba
 def guard_load(device: str | None = None, retry: int = 0, *, cleanup: bool = True,
                expandable_segments: bool = True, snapshot: str | os.PathLike[str] | None = None,
                headroom: str | int | None = None, quiet: bool = False, raise_on_oom: bool = True,
-               namespace: dict | None = None) -> GuardedLoad:
+               namespace: dict | None = None, target: str | Target | None = None) -> GuardedLoad:
     """Guard a model load in a script: ``with oom_magic.guard_load(): model = ...``.
 
     Before: frees stale memory (unless ``cleanup=False``) and turns on ``expandable_segments``
@@ -1137,8 +1275,12 @@ def guard_load(device: str | None = None, retry: int = 0, *, cleanup: bool = Tru
     what the failed load left, and raises a short exception of the original type (or, with
     ``raise_on_oom=False``, only prints). ``retry=N`` needs the loop or function form:
     ``for attempt in guard_load(retry=2): with attempt: ...`` or ``guard_load(retry=2).run(fn)``.
+    ``target`` ("T4", "16GiB") rehearses the load for that GPU: on a larger CUDA device the block
+    runs capped at the target's usable memory (``device="cuda"`` lets the cap initialize CUDA),
+    and the previous cap is put back afterwards; elsewhere the report says nothing was capped.
+    A bad target is an OomMagicError naming the known GPUs.
     """
     return GuardedLoad(device, retry, cleanup=cleanup, expandable_segments=expandable_segments,
                        snapshot=snapshot, headroom=headroom, quiet=quiet, raise_on_oom=raise_on_oom,
-                       namespace=namespace)
+                       namespace=namespace, target=target)
 

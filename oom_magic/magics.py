@@ -103,7 +103,7 @@ class OomMagics(Magics):
         if top < 0:
             raise UsageError(f"--top must be 0 or more, not {top}")
         try:
-            snap = snapshot(args.device, roots=collect_roots(self.shell), top=top)
+            snap = snapshot(args.device, roots=collect_roots(self.shell), top=top, name_kernels=True)
         except OomMagicError as exc:
             raise UsageError(str(exc)) from None
         return replace(snap, view="json") if args.json else snap
@@ -127,6 +127,7 @@ class OomMagics(Magics):
     @argument("--strict", action="store_true", help="Do not run the cell when the preflight says the load will not fit (UsageError with the shortfall and an option that fits).")
     @argument("--headroom", default=None, metavar="SIZE", help="Memory to keep free on the device: a size such as 2GiB or a percentage of its capacity such as 5%% (default: OomMagics.guard_headroom).")
     @argument("--snapshot", default=None, metavar="PATH", help="CUDA only: record allocator history during the cell and, on out-of-memory, write it to PATH (a file or a folder) for https://pytorch.org/memory_viz.")
+    @argument("--target", default=None, metavar="GPU", help="Rehearse the load for the GPU it will be deployed on: a known GPU (T4, L4, A10G, A100-80GB, H100-80GB, ...) or the card's total as nvidia-smi shows it (16GiB). The fit check and its options are for that GPU's usable memory; on a larger CUDA device the cell runs capped at it (set_per_process_memory_fraction, put back afterwards).")
     @argument("--no-cleanup", action="store_true", help="Do not free stale memory (output cache, stored tracebacks, garbage) before the cell.")
     @argument("--no-expandable", action="store_true", help="Do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA initializes.")
     @argument("--quiet", "-q", action="store_true", help="Print only warnings and out-of-memory forensics; the report is still returned.")
@@ -140,6 +141,7 @@ class OomMagics(Magics):
         __tracebackhide__ = True
         from .guard import GuardedLoad, compile_cell
         from .preflight import load_target, parse_headroom, preflight_check
+        from .targets import parse_target
 
         args = _parse_line(self.guardload, line)
         if cell is None or not cell.strip():
@@ -149,7 +151,8 @@ class OomMagics(Magics):
         headroom = args.headroom if args.headroom is not None else self.guard_headroom
         try:
             parse_headroom(headroom, 0)
-        except OomMagicError as exc:
+            target = parse_target(args.target) if args.target is not None else None
+        except OomMagicError as exc:  # a bad --headroom or --target names the fix (and the known GPUs)
             raise UsageError(str(exc)) from None
         body, source = compile_cell(self.shell, cell)  # a SyntaxError shows as it would without the magic
         namespace = self.shell.user_ns
@@ -157,9 +160,10 @@ class OomMagics(Magics):
             args.device, args.retry, cleanup=not args.no_cleanup,
             expandable_segments=self.expandable_segments and not args.no_expandable, snapshot=args.snapshot,
             headroom=headroom, quiet=args.quiet, raise_on_oom=self.guard_raise, strict=args.strict,
-            preflight=lambda: preflight_check(source, namespace, device=args.device, headroom=headroom),
+            preflight=lambda: preflight_check(source, namespace, device=args.device, headroom=headroom,
+                                              target=target),
             shell=self.shell, namespace=namespace, format_traceback=self._guard_traceback, label="%%guardload",
-            device_hint=load_target(source, namespace))
+            device_hint=load_target(source, namespace), target=target)
         try:
             guard.begin()
         except OomMagicError as exc:  # an unknown --device, or --strict refusing

@@ -13,21 +13,22 @@ from __future__ import annotations
 import ast
 import math
 import os
-import pickletools
 import re
 import shutil
 import sys
-import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from types import ModuleType
 from typing import Any, Iterator, Mapping
 
+from .checkpoints import CheckpointKeys, read_checkpoint_keys
 from .holders import instance_dict as _instance_dict
 from ._torch import cuda_initialized
 from .diagnose import FitOption, device_index, fit_options
 from .errors import OomMagicError
+from .offload import OffloadCheck, check_offload
 from .sizes import parse_size
+from .targets import Target, parse_target
 
 __all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadCall", "Preflight",
            "cuda_process_cap", "find_load_calls", "load_target", "parse_headroom", "preflight_check", "read_checkpoint_keys",
@@ -37,14 +38,11 @@ __all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadCall
 # lazy module loading (CUDA 11.7+), more with eager loading. An estimate, said as one.
 CUDA_CONTEXT_BYTES = 512 * 1024**2
 DEFAULT_HEADROOM = "5%"
-_MAX_PICKLE_BYTES = 64 * 1024 * 1024
 _FLOAT_DTYPES = {"float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
                  "bfloat16": "bfloat16", "float64": "float64", "double": "float64"}
 _AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 # from_pretrained on these loads a few KiB of JSON, not weights.
 _NOT_WEIGHTS = re.compile(r"(Tokenizer|Processor|Config|FeatureExtractor|Scheduler|TokenizerFast)$")
-_OPTIMIZER_KEY = re.compile(r"optim|sched|^scaler$|^grad_scaler$|^amp$", re.IGNORECASE)
-_MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net", "model_state", "weights", "params")
 
 
 # --------------------------------------------------------------------------- records
@@ -95,6 +93,9 @@ class FitCheck:
     files: int = 0
     estimate: Any = field(default=None, repr=False, compare=False)  # the CheckpointEstimate (no tensors)
     process_cap: int | None = None  # torch.cuda.set_per_process_memory_fraction's limit, when set
+    # --target: checked against that GPU's usable memory (free = usable, context already in it), not this device
+    target: Target | None = None
+    offload: OffloadCheck | None = None  # the advised offload plan's CPU and disk shares checked here
 
     @property
     def budget(self) -> int | None:
@@ -173,26 +174,6 @@ class Preflight:
         from .render.guard import preflight_html
 
         return preflight_html(self)
-
-
-@dataclass(frozen=True)
-class CheckpointKeys:
-    """A torch.save checkpoint's top-level keys with the bytes under each, and where it was saved."""
-
-    keys: tuple[tuple[str, int], ...]  # (key, storage bytes reachable from it); () if not a dict
-    locations: tuple[str, ...]  # devices the storages were saved from ('cuda:0', 'cpu')
-    total: int
-
-    def optimizer_keys(self) -> tuple[tuple[str, int], ...]:
-        """Keys that hold optimizer, scheduler or scaler state."""
-        return tuple((k, b) for k, b in self.keys if _OPTIMIZER_KEY.search(k))
-
-    def model_key(self) -> tuple[str, int] | None:
-        """The key that holds the model's weights: a usual name, else the largest other key."""
-        rest = [(k, b) for k, b in self.keys if not _OPTIMIZER_KEY.search(k) and b > 0]
-        named = [(k, b) for k, b in rest if k in _MODEL_KEYS]
-        pool = named or rest
-        return max(pool, key=lambda kb: kb[1]) if pool else None
 
 
 # --------------------------------------------------------------------------- sizes the user types
@@ -975,194 +956,6 @@ def _accelerate_size(size: object) -> int | None:
     return None
 
 
-# --------------------------------------------------------------------------- torch checkpoint keys
-
-
-class _Box:
-    """Something the pickle builds (a dict, list, object): its dict entries and its other parts."""
-
-    __slots__ = ("entries", "parts")
-
-    def __init__(self, *parts: object) -> None:
-        self.entries: list[tuple[object, object]] = []
-        self.parts: list[object] = list(parts)
-
-
-@dataclass(frozen=True)
-class _Ref:
-    key: str
-    location: str
-
-
-def read_checkpoint_keys(path: str | os.PathLike[str]) -> CheckpointKeys | None:
-    """Read a torch.save zip's top-level keys, the bytes under each, and the saved devices.
-
-    Walks data.pkl's opcodes symbolically (pickletools.genops); nothing is unpickled or
-    imported. Returns None for files that are not torch.save zips; raises OomMagicError for a
-    damaged one.
-    """
-    file = Path(path)
-    try:
-        if not zipfile.is_zipfile(file):
-            return None
-        with zipfile.ZipFile(file) as archive:
-            infos = archive.infolist()
-            pickles = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-            if not pickles:
-                return None
-            info = pickles[0]
-            prefix = info.filename[: -len("data.pkl")]
-            if info.file_size > _MAX_PICKLE_BYTES:
-                raise OomMagicError(f"{file.name}: data.pkl is over {_MAX_PICKLE_BYTES} bytes; keys not read")
-            raw = archive.read(info)
-            sizes = {i.filename[len(prefix) + len("data/"):]: i.file_size for i in infos
-                     if i.filename.startswith(prefix + "data/")}
-    except OSError as exc:
-        raise OomMagicError(f"{file.name}: cannot read it ({exc.strerror or exc})") from None
-    except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError) as exc:
-        raise OomMagicError(f"{file.name}: damaged zip archive ({str(exc)[:100]})") from None
-    try:
-        top, refs = _walk_pickle(raw)
-    except Exception as exc:  # genops on untrusted bytes: anything it trips on means damage
-        raise OomMagicError(f"{file.name}: data.pkl is not a valid pickle ({str(exc)[:100] or type(exc).__name__})") from None
-    locations = tuple(sorted({r.location for r in refs}))
-    total = sum(sizes.get(k, 0) for k in {r.key for r in refs})
-    keys: list[tuple[str, int]] = []
-    if isinstance(top, _Box):
-        for key, value in top.entries:
-            if isinstance(key, str):
-                keys.append((key, sum(sizes.get(k, 0) for k in _refs_under(value))))
-    return CheckpointKeys(tuple(keys), locations, total)
-
-
-def _refs_under(value: object) -> set[str]:
-    found: set[str] = set()
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, _Ref):
-            found.add(item.key)
-        elif isinstance(item, _Box):
-            stack.extend(item.parts)
-            for k, v in item.entries:
-                stack.extend((k, v))
-        elif isinstance(item, (tuple, list)):
-            stack.extend(item)
-    return found
-
-
-_PUSH = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
-         "SHORT_BINSTRING", "BININT", "BININT1", "BININT2", "INT", "LONG", "LONG1", "LONG4",
-         "BINFLOAT", "FLOAT", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8"}
-
-
-def _walk_pickle(raw: bytes) -> tuple[object, list[_Ref]]:
-    """A symbolic pickle machine: containers, strings and storage references; nothing executed."""
-    stack: list[object] = []
-    marks: list[int] = []
-    memo: dict[int, object] = {}
-    refs: list[_Ref] = []
-
-    def pop_mark() -> list[object]:
-        at = marks.pop()
-        items = stack[at:]
-        del stack[at:]
-        return items
-
-    for opcode, arg, _ in pickletools.genops(raw):
-        name = opcode.name
-        if name in _PUSH:
-            stack.append(arg)
-        elif name == "MARK":
-            marks.append(len(stack))
-        elif name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET"):
-            stack.append(_Box())
-        elif name in ("DICT", "LIST", "FROZENSET"):
-            items = pop_mark()
-            box = _Box()
-            if name == "DICT":
-                box.entries = list(zip(items[0::2], items[1::2]))
-            else:
-                box.parts = items
-            stack.append(box)
-        elif name == "EMPTY_TUPLE":
-            stack.append(())
-        elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            n = int(name[-1])
-            items = stack[-n:]
-            del stack[-n:]
-            stack.append(tuple(items))
-        elif name == "TUPLE":
-            stack.append(tuple(pop_mark()))
-        elif name in ("NONE", "NEWTRUE", "NEWFALSE"):
-            stack.append(None if name == "NONE" else name == "NEWTRUE")
-        elif name == "GLOBAL":
-            stack.append(_Box(str(arg)))
-        elif name == "STACK_GLOBAL":
-            qual, mod = stack.pop(), stack.pop()
-            stack.append(_Box(f"{mod} {qual}"))
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[arg] = stack[-1]
-        elif name == "MEMOIZE":
-            memo[len(memo)] = stack[-1]
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            stack.append(memo[arg])
-        elif name in ("BINPERSID", "PERSID"):
-            pid = stack.pop() if name == "BINPERSID" else arg
-            if isinstance(pid, tuple) and len(pid) >= 4 and pid[0] == "storage" and isinstance(pid[2], str):
-                ref = _Ref(pid[2], str(pid[3]))
-                refs.append(ref)
-                stack.append(ref)
-            else:
-                stack.append(_Box())
-        elif name in ("REDUCE", "NEWOBJ"):
-            args, func = stack.pop(), stack.pop()
-            stack.append(_Box(func, args))
-        elif name == "NEWOBJ_EX":
-            kwargs, args, cls = stack.pop(), stack.pop(), stack.pop()
-            stack.append(_Box(cls, args, kwargs))
-        elif name == "BUILD":
-            state = stack.pop()
-            if isinstance(stack[-1], _Box):
-                stack[-1].parts.append(state)
-        elif name == "SETITEM":
-            value, key = stack.pop(), stack.pop()
-            if isinstance(stack[-1], _Box):
-                stack[-1].entries.append((key, value))
-        elif name == "SETITEMS":
-            items = pop_mark()
-            if isinstance(stack[-1], _Box):
-                stack[-1].entries.extend(zip(items[0::2], items[1::2]))
-        elif name in ("APPEND", "APPENDS", "ADDITEMS"):
-            items = [stack.pop()] if name == "APPEND" else pop_mark()
-            if isinstance(stack[-1], _Box):
-                stack[-1].parts.extend(items)
-        elif name == "POP":
-            stack.pop()
-        elif name == "POP_MARK":
-            pop_mark()
-        elif name == "DUP":
-            stack.append(stack[-1])
-        elif name in ("PROTO", "FRAME"):
-            continue
-        elif name == "STOP":
-            break
-        else:  # OBJ, INST, EXT*, BYTEARRAY8, NEXT_BUFFER...: keep the stack shape
-            if pickletools.markobject in opcode.stack_before:
-                pop_mark()
-                for _ in range(opcode.stack_before.index(pickletools.markobject)):
-                    stack.pop()
-            else:
-                for _ in opcode.stack_before:
-                    stack.pop()
-            stack.extend(_Box() for _ in opcode.stack_after)
-    return (stack[-1] if stack else None), refs
-
-
 # --------------------------------------------------------------------------- the check
 
 
@@ -1170,7 +963,8 @@ class _Budgets:
     """Free memory per device, read once per check (NVML for CUDA, no context; psutil for RAM)."""
 
     def __init__(self, free_bytes: int | None, total_bytes: int | None, ram_bytes: int | None,
-                 disk_bytes: int | None, headroom: str | int | None, nvml: Any) -> None:
+                 disk_bytes: int | None, headroom: str | int | None, nvml: Any, target: Target | None = None) -> None:
+        self.target = target
         self.free_override = free_bytes
         self.total_override = total_bytes
         self.ram_override = ram_bytes
@@ -1187,6 +981,9 @@ class _Budgets:
         return self.cache[device]
 
     def _read(self, device: str) -> tuple[int | None, int | None, int, str | None]:
+        if self.target is not None and device != "cpu":
+            # The target's usable memory already leaves out its driver's share and a CUDA context.
+            return self.target.usable, self.target.total, 0, None
         context = CUDA_CONTEXT_BYTES if device.startswith("cuda") and not cuda_initialized() else 0
         if self.free_override is not None:
             return self.free_override, self.total_override, context, None
@@ -1223,6 +1020,8 @@ class _Budgets:
 
     def auto_device(self, guard_device: str | None) -> str | None:
         """The GPU device_map="auto" fills first: the guard's (with a free-bytes override) or the first present."""
+        if self.target is not None:
+            return guard_device if guard_device and guard_device.startswith("cuda") else "cuda:0"
         if self.free_override is not None:
             return guard_device if guard_device and guard_device.startswith(("cuda", "mps")) else None
         from .devices import available_devices
@@ -1291,16 +1090,22 @@ def _stored_float(estimate: Any) -> str | None:
 def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, device: str | None = None,
                     free_bytes: int | None = None, total_bytes: int | None = None,
                     ram_bytes: int | None = None, disk_bytes: int | None = None,
-                    headroom: str | int | None = None, nvml: Any = None) -> Preflight:
+                    headroom: str | int | None = None, nvml: Any = None,
+                    target: str | Target | None = None) -> Preflight:
     """Say what a cell will load, whether it fits where it goes, and what to fix — without running it.
 
     ``device`` is the guard's device (used when a call does not say where it loads). Overrides,
     for planning and tests: ``free_bytes`` / ``total_bytes`` replace the target device's
     reading, ``ram_bytes`` the RAM budget, ``disk_bytes`` the disk budget. ``headroom`` is kept
     free on the target: a size ("2GiB") or a percentage of its capacity ("5%", the default).
-    Raises OomMagicError for a bad headroom; a cell that does not parse gives a note, not an error.
+    ``target`` ("T4", "16GiB"; see ``targets.parse_target``) checks each load against that GPU's
+    usable memory instead of this machine's: a load placed on one device here is checked as if its
+    weights went to the target GPU, ``device_map="auto"`` as the target plus this machine's RAM and
+    disk, and the options are those that fit there. Raises OomMagicError for a bad headroom or
+    target; a cell that does not parse gives a note, not an error.
     """
     parse_headroom(headroom, 0)  # a bad spelling fails now, not after reading files
+    rehearsed = parse_target(target) if target is not None else None
     notes: list[str] = []
     try:
         calls = find_load_calls(cell, namespace)
@@ -1308,13 +1113,16 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
         return Preflight(device, (), (), (), (str(exc),))
     if not calls:
         notes.append("no from_pretrained / torch.load / load_file call found: nothing to size")
-    budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml)
+    budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, rehearsed)
     checks: list[FitCheck] = []
     lints: list[Lint] = []
     for call in calls:
         check, call_lints = _check_call(call, device, budgets)
         checks.append(check)
         lints += call_lints
+        if rehearsed is not None and check.target is not None and not check.device.startswith(("cuda", "auto")):
+            notes.append(f"line {call.line} loads to {check.device} here; --target {rehearsed.name} checked it as if "
+                         "its weights went to that GPU")
     target = next((d for d in map(_measured_device, checks) if d is not None), device)
     return Preflight(target, calls, tuple(checks), tuple(lints), tuple(notes))
 
@@ -1389,12 +1197,14 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     if where == "auto":
         return _check_auto(call, estimate, need, dtype, budgets, guard_device), lints
     resolved = _resolve_cuda(where)
-    free, total, context, why = budgets.device(resolved)
+    # --target: the weights go to the target GPU (keeping a cuda:N index), whatever this machine has.
+    place = (resolved if resolved.startswith("cuda") else "cuda:0") if budgets.target is not None else resolved
+    free, total, context, why = budgets.device(place)
     headroom = budgets.headroom(total, free)
     base = dict(call=call, device=resolved, need=need, dtype=dtype, free=free, context=context,
                 headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                 declared_dtype=estimate.declared_dtype, files=len(estimate.files), estimate=estimate,
-                process_cap=budgets.limits.get(resolved))
+                process_cap=budgets.limits.get(place), target=budgets.target)
     if free is None:
         return FitCheck(verdict="unknown", reason=why, **base), lints  # type: ignore[arg-type]
     budget = free - context - headroom
@@ -1403,10 +1213,27 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     model_part = None
     if keys is not None and keys.optimizer_keys():
         model_part = keys.model_key()
-    options = fit_options(estimate, device=resolved, need=need, dtype=dtype, loader=call.kind,
-                          device_budget=budget, ram_budget=budgets.ram() if resolved != "cpu" else budget,
-                          disk_budget=budgets.disk(), model_part=model_part)
-    return FitCheck(verdict="will-not-fit", reason=None, options=options, **base), lints  # type: ignore[arg-type]
+    options = fit_options(estimate, device=place, need=need, dtype=dtype, loader=call.kind,
+                          device_budget=budget, ram_budget=budgets.ram() if place != "cpu" else budget,
+                          disk_budget=budgets.disk(), model_part=model_part,
+                          offload_folder=call.offload_folder or "offload")
+    options, offload = _check_offload_plan(options)
+    return FitCheck(verdict="will-not-fit", reason=None, options=options, offload=offload,
+                    **base), lints  # type: ignore[arg-type]
+
+
+def _check_offload_plan(options: tuple[FitOption, ...]) -> tuple[tuple[FitOption, ...], OffloadCheck | None]:
+    """Check the advised disk-offload plan's RAM and disk shares here; an option that falls short does not fit."""
+    plan = next((o for o in options if o.kind == "offload-folder"), None)
+    if plan is None:
+        return options, None
+    try:
+        offload = check_offload(plan.cpu_bytes, plan.disk_bytes, plan.offload_folder or "offload")
+    except OomMagicError:
+        return options, None
+    if offload.ok:
+        return options, offload
+    return tuple(replace(o, fits=False) if o is plan else o for o in options), offload
 
 
 def _target(call: LoadCall, guard_device: str | None) -> str | None:
@@ -1478,14 +1305,17 @@ def _check_auto(call: LoadCall, estimate: Any, need: int, dtype: str | None, bud
         split.append(("disk", disk))
     verdict = "fits" if need <= sum(b for _, b in split) else "will-not-fit"
     options: tuple[FitOption, ...] = ()
+    offload: OffloadCheck | None = None
     if verdict == "will-not-fit":
         place = gpu or "cpu"
         options = fit_options(estimate, device=place, need=need, dtype=dtype,
-                              device_budget=dict(split).get(place, 0), ram_budget=ram, disk_budget=disk)
+                              device_budget=dict(split).get(place, 0), ram_budget=ram, disk_budget=disk,
+                              offload_folder=call.offload_folder or "offload")
+        options, offload = _check_offload_plan(options)
     return FitCheck(call=call, device="auto", verdict=verdict, reason=None, need=need, dtype=dtype, free=free,
                     context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                     declared_dtype=estimate.declared_dtype, split=tuple(split), options=options,
-                    files=len(estimate.files), estimate=estimate)
+                    files=len(estimate.files), estimate=estimate, target=budgets.target, offload=offload)
 
 
 class _PipelineEstimate:

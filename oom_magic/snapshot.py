@@ -8,6 +8,7 @@ from typing import Any
 from ._torch import loaded_torch
 from .devices import DeviceReading, read_device, resolve_device
 from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, attribute, attribute_reachable
+from .jupyter_kernels import KernelInfo
 from .nvml import Nvml
 from .roots import Roots, collect_roots
 from .tracker import StorageRecord, find_tensors, tensor_types
@@ -42,6 +43,8 @@ class Snapshot:
     top_n: int = 10
     view: str = "table"  # "table" or "json": how the notebook/terminal shows it
     heap_scan: bool = True  # False: the quick view (no heap pass; garbage and library-held not found)
+    # Other processes that are kernels of this user's Jupyter servers: (pid, notebook and how to stop it).
+    kernels: tuple[tuple[int, KernelInfo], ...] = ()
 
     # Figures the user asks for by name.
     def kind_bytes(self, kind: str) -> int:
@@ -131,20 +134,22 @@ def _path_under(path: str, prefix: str) -> bool:
 
 def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvml | None = None,
              top: int = 10, find_garbage: bool = True, heap_scan: bool = True,
-             budget_seconds: float = 5.0) -> Snapshot:
+             budget_seconds: float = 5.0, name_kernels: bool = False) -> Snapshot:
     """Read ``device`` and attribute every live tensor storage on it to its holder.
 
     ``heap_scan=False`` is the quick view the after-cell hook uses on big heaps: only what the
     user's variables, the output cache and stored tracebacks reach is found (no ``gc`` pass), so
-    garbage and library-held tensors are left out, and a note says so.
+    garbage and library-held tensors are left out, and a note says so. ``name_kernels`` asks this
+    user's Jupyter servers which notebooks the other processes on the device belong to (%gpumem).
     """
     started = time.perf_counter()
     where = resolve_device(device, nvml)
     reading = read_device(where, nvml)
+    kernels = _kernels_on(reading) if name_kernels else ()
     torch = loaded_torch()
     if torch is None:
         return Snapshot(where, reading, (), (), time.perf_counter() - started, 0, True,
-                        ("torch is not imported in this process: no tensors to attribute",), top)
+                        ("torch is not imported in this process: no tensors to attribute",), top, kernels=kernels)
     roots = roots if roots is not None else collect_roots()
     types = tensor_types(torch)
     if heap_scan:
@@ -184,4 +189,27 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
                      "(a wrapper subclass holds none of its own; its inner tensors are counted)")
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
-                    live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan)
+                    live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan,
+                    kernels=kernels)
+
+
+# Seconds each Jupyter server may take to name its kernels (at most one second in all per server).
+KERNEL_LOOKUP_TIMEOUT = 0.5
+
+
+def _kernels_on(reading: DeviceReading) -> tuple[tuple[int, KernelInfo], ...]:
+    """Which other processes on the device are kernels of this user's Jupyter servers, with their notebooks.
+
+    Asked only for this user's processes that look like kernels (another user's process is never
+    looked into), at most KERNEL_LOOKUP_TIMEOUT per server; an unreachable server names nothing.
+    """
+    pids = [p.pid for p in reading.processes if p.is_jupyter_kernel and not p.is_self and p.note is None]
+    if not pids:
+        return ()
+    try:
+        from .jupyter_kernels import find_jupyter_kernels
+
+        found = find_jupyter_kernels(pids, timeout=KERNEL_LOOKUP_TIMEOUT)
+    except Exception:  # naming a notebook is a nicety: the table shows the pid without it
+        return ()
+    return tuple(sorted(found.items()))

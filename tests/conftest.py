@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -41,3 +44,15 @@ def fresh_heap():
         yield
     finally:
         gc.unfreeze()
+
+
+@contextmanager
+def ready_process(args: list[str]) -> Iterator[subprocess.Popen]:
+    """A real child process that prints 'ready' once it is set up; killed and reaped afterwards."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

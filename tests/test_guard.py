@@ -266,7 +266,7 @@ def test_strict_refuses_a_load_that_will_not_fit(torch_ip, tiny_llama):
 def test_every_argument_has_help(torch_ip):
     parser = _magics(torch_ip).guardload.parser
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
-    assert {a.dest for a in flags} == {"device", "retry", "strict", "headroom", "snapshot", "no_cleanup",
+    assert {a.dest for a in flags} == {"device", "retry", "strict", "headroom", "snapshot", "target", "no_cleanup",
                                        "no_expandable", "quiet"}
     assert all(a.help for a in flags)
 

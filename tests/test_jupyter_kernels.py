@@ -300,3 +300,30 @@ def test_missing_runtime_dir(server, tmp_path):
 ])
 def test_only_loopback_is_contacted(info, host):
     assert _loopback_host(info) == host
+
+
+# -- %gpumem's process table, against the real server ---------------------------------------------
+
+def test_gpumem_names_the_notebook_of_another_kernel_on_the_gpu(server, ip, monkeypatch):
+    """FAKE NVML (no GPU here) lists two real kernels of the real server beside this process."""
+    from oom_magic import nvml as nvml_module
+    from oom_magic.nvml import Nvml
+    from oom_magic.render.html import snapshot_html
+    from oom_magic.render.text import snapshot_text
+    from tests.fakes.fake_pynvml import FakeGpu, FakeNvml, GiB
+
+    a, bare = server.pids["a"], server.pids["bare"]
+    gpu = FakeGpu(used=6 * GiB, processes=[(a, 3 * GiB), (bare, 2 * GiB), (os.getpid(), 1 * GiB)])
+    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(server.runtime))
+    ip.run_cell("import torch", store_history=True)
+    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    text, html = snapshot_text(snap), snapshot_html(snap)
+    url = f"http://localhost:{server.port}/"
+    row = next(line for line in text.splitlines() if f"pid {a}" in line)
+    assert "Jupyter kernel of a.ipynb" in row and row.endswith("3.00 GiB")
+    assert f"  to stop pid {a}: Kernel → Shut Down Kernel in a.ipynb (Jupyter at {url}), or `kill {a}`" in text
+    assert (f"  to stop pid {bare}: shut it down in the Running Terminals and Kernels panel of Jupyter at {url}, "
+            f"or `kill {bare}`") in text
+    assert "<td>a.ipynb</td>" in html and f"or `kill {a}`</td>" in html
+    assert server.token not in text and server.token not in html

@@ -675,20 +675,46 @@ def _damaged_compressed_pickle(path: Path, method: int) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, reason="finding 8: preflight.py read_checkpoint_keys inflates a compressed data.pkl "
-                                       "(torch.save never compresses it) and lets zlib.error / LZMAError from a "
-                                       "damaged one escape; %%guardload's load_target calls it on the cell's "
-                                       "torch.load path before the cell runs")
-@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_LZMA], ids=["deflate", "lzma"])
+def _keys_error(path: Path) -> str:
+    """read_checkpoint_keys on ``path``: its one-line OomMagicError, within 100 MB (fails otherwise)."""
+    result, peak = bounded(lambda: read_checkpoint_keys(path))
+    assert peak < MEMORY_LIMIT, f"{peak / MB:.1f} MB"
+    assert isinstance(result, OomMagicError), result
+    message = str(result)
+    assert message.startswith(path.name + ": ") and "\n" not in message and len(message) < 400, message
+    return message
+
+
+def _lying_deflated_pickle(path: Path, claim: int) -> Path:
+    """A zip whose deflated data.pkl inflates to 60 MiB while its directory claims ``claim`` bytes."""
+    pkl = torch_like_pickle([("w.weight", "FloatStorage", "0", 4, (2, 2), None)])
+    raw = bytearray(torch_zip(path, pkl + bytes(60 * MB), {"0": bytes(16)}, compress=zipfile.ZIP_DEFLATED).read_bytes())
+    central = raw.find(b"PK\x01\x02")
+    assert raw[central + 46:central + 62] == b"archive/data.pkl"
+    raw[central + 24:central + 28] = struct.pack("<I", claim)  # uncompressed size, as zipfile reads it
+    path.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_DEFLATED, zipfile.ZIP_LZMA, zipfile.ZIP_BZIP2],
+                         ids=["deflate", "lzma", "bzip2"])
 def test_preflight_reads_keys_of_damaged_or_swollen_zips_safely(traced, scratch: Path, method: int) -> None:
+    """Finding 8 (fixed in checkpoints.py): a compressed data.pkl is inflated a chunk at a time up to 8 MiB
+    (deflate, which torch.load reads) or refused (LZMA, bzip2); a damaged stream is a one-line error."""
     damaged = _damaged_compressed_pickle(scratch / f"damaged-{method}.pt", method)
     assert isinstance(check_estimate(damaged), OomMagicError)  # the estimator refuses it
-    result, peak = bounded(lambda: read_checkpoint_keys(damaged))
-    assert result is None or isinstance(result, OomMagicError)
     pkl = torch_like_pickle([("w.weight", "FloatStorage", "0", 4, (2, 2), None)])
-    swollen = torch_zip(scratch / "swollen-keys.pt", pkl + bytes(60 * MB), {}, compress=method)
-    result, peak = bounded(lambda: read_checkpoint_keys(swollen))
-    assert peak < MEMORY_LIMIT
+    swollen = torch_zip(scratch / f"swollen-keys-{method}.pt", pkl + bytes(60 * MB), {}, compress=method)
+    assert swollen.stat().st_size < MB
+    if method == zipfile.ZIP_DEFLATED:
+        assert "damaged zip archive (" in _keys_error(damaged)  # zlib.error or a bad CRC, never escaping
+        assert "data.pkl is compressed past 8 MiB" in _keys_error(swollen)
+        for claim in (1000, 8 * MB):  # the directory lies: never more than it claims is inflated
+            assert "damaged zip archive (" in _keys_error(_lying_deflated_pickle(scratch / f"lying-{claim}.pt", claim))
+    else:
+        name = "LZMA" if method == zipfile.ZIP_LZMA else "bzip2"
+        for path in (damaged, swollen):
+            assert f"data.pkl is compressed with {name}, which torch.load cannot read" in _keys_error(path)
 
 
 # --------------------------------------------------------------------------- JSON: deep, wide, huge
@@ -745,6 +771,7 @@ _BOMBS = {
 _MEASURE_BOMBS = r"""
 import json, sys
 from oom_magic.estimate import estimate_checkpoint
+from oom_magic.errors import OomMagicError
 from oom_magic.preflight import read_checkpoint_keys
 
 def status(field):
@@ -757,7 +784,11 @@ with open("/proc/self/clear_refs", "w") as handle:
 base = status("VmRSS")
 for path in sys.argv[2:]:
     if sys.argv[1] == "keys":
-        read_checkpoint_keys(path)
+        try:
+            keys = read_checkpoint_keys(path)
+            out[path] = None if keys is None else [list(k) for k in keys.keys]
+        except OomMagicError as exc:
+            out[path] = "error: " + str(exc)
     else:
         est = estimate_checkpoint(path)
         out[path] = [est.stored_bytes, est.parameters]
@@ -794,14 +825,55 @@ def test_pickle_bombs_are_sized_within_memory(bombs: dict[str, Any]) -> None:
     assert bombs["peak"] < MEMORY_LIMIT
 
 
-@pytest.mark.xfail(strict=True, reason="finding 7: preflight.py read_checkpoint_keys walks up to 64 MiB of data.pkl "
-                                       "with no bound on the symbolic stack or memo: 800 KB of EMPTY_LIST opcodes "
-                                       "take over 100 MB (16 MiB: 2.7 GB, minutes); cap opcodes and objects as "
-                                       "estimate.py now does")
+def _shared_list_under_every_key(items: int, keys: int) -> bytes:
+    """A dict whose every value is one memoized list: walking each key's objects anew is quadratic."""
+    shared = op("EMPTY_LIST") + op("BINPUT", 0) + op("MARK") + op("EMPTY_TUPLE") * items + op("APPENDS") + op("POP")
+    pairs = b"".join(op("SHORT_BINUNICODE", f"k{i}") + op("BINGET", 0) for i in range(keys))
+    return op("PROTO", 2) + shared + op("EMPTY_DICT") + op("MARK") + pairs + op("SETITEMS") + op("STOP")
+
+
+_KEYS_BOMBS = {  # name: (data.pkl, what read_checkpoint_keys says)
+    "empty-lists": (op("PROTO", 2) + op("EMPTY_LIST") * 800_000 + op("STOP"), "holds over 600,000 pickle opcodes"),
+    "dups": (op("PROTO", 2) + op("EMPTY_TUPLE") + op("DUP") * 2_000_000 + op("STOP"), "holds over 600,000 pickle opcodes"),
+    "memoize": (op("PROTO", 2) + op("EMPTY_TUPLE") + op("MEMOIZE") * 1_000_000 + op("STOP"), "builds over 48 MiB"),
+    "binput": (op("PROTO", 2) + op("EMPTY_TUPLE") + b"".join(op("LONG_BINPUT", i) for i in range(1_000_000)) + op("STOP"),
+               "builds over 48 MiB"),
+    "shared-list": (_shared_list_under_every_key(200_000, 300), "links over 2,000,000 objects under its keys"),
+    "strings-15MiB": (_BOMBS["strings"](), "data.pkl is over 8 MiB, past what oom-magic reads"),
+    "memoize-15MiB": (_BOMBS["memoize"](), "data.pkl is over 8 MiB, past what oom-magic reads"),
+}
+
+
 def test_preflight_reads_keys_of_a_pickle_bomb_within_memory(scratch: Path) -> None:
-    bomb = torch_zip(scratch / "keys-bomb.pt", op("PROTO", 2) + op("EMPTY_LIST") * 800_000 + op("STOP"),
-                     {"0": bytes(16)})
-    assert _measure("keys", [bomb])["peak"] < MEMORY_LIMIT
+    """Finding 7 (fixed in checkpoints.py): the walk of data.pkl stops at fixed counts (600,000 opcodes,
+    48 MiB of estimated objects, 2,000,000 links followed under the keys, 8 MiB of data.pkl), so every
+    bomb is a one-line error within 100 MB; the message names the count that stopped it.
+
+    Measured by peak RSS in a fresh process, as test_pickle_bombs_are_sized_within_memory does.
+    """
+    paths = {name: torch_zip(scratch / f"keys-bomb-{name}.pt", data, {"0": bytes(16)})
+             for name, (data, _) in _KEYS_BOMBS.items()}
+    # Two 2 MiB memoized strings joined by STACK_GLOBAL 100,000 times: never copied, so it walks.
+    names = op("BINUNICODE", "m" * (2 * MB)) + op("BINPUT", 0) + op("BINUNICODE", "q" * (2 * MB)) + op("BINPUT", 1)
+    joins = (op("BINGET", 0) + op("BINGET", 1) + op("STACK_GLOBAL") + op("POP")) * 100_000
+    joined = torch_zip(scratch / "keys-bomb-joined.pt", op("PROTO", 2) + names + joins + op("EMPTY_DICT") + op("STOP"),
+                       {"0": bytes(16)})
+    result = _measure("keys", [*paths.values(), joined])
+    for name, path in paths.items():
+        message = result[str(path)]
+        assert message.startswith(f"error: {path.name}: ") and _KEYS_BOMBS[name][1] in message, message
+        assert "\n" not in message
+    assert result[str(joined)] == []  # a dict with no keys, read
+    assert result["peak"] < MEMORY_LIMIT
+
+
+def test_preflight_reads_keys_of_a_memo_bomb_within_traced_memory(traced, scratch: Path) -> None:
+    """Finding 7 (fixed in checkpoints.py): the costliest objects per opcode (memo entries) stop at the 48 MiB
+    estimate, measured here by tracemalloc's peak in this process."""
+    bomb = torch_zip(scratch / "keys-memo-bomb.pt", _KEYS_BOMBS["memoize"][0], {"0": bytes(16)})
+    result, peak = bounded(lambda: read_checkpoint_keys(bomb), seconds=60)  # tracing slows the walk ~5x
+    assert isinstance(result, OomMagicError) and "builds over 48 MiB of objects" in str(result)
+    assert peak < MEMORY_LIMIT, f"{peak / MB:.1f} MB"
 
 
 # --------------------------------------------------------------------------- shard indexes and configs

@@ -35,6 +35,7 @@ from oom_magic import nvml as nvml_module
 from oom_magic.nvml import Nvml
 from oom_magic.preflight import preflight_check
 from oom_magic.watch import CellReport
+from tests.conftest import ready_process
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml, GiB
 
 IMG = "<img src=x onerror=alert(1)>"
@@ -178,14 +179,8 @@ def payload_process() -> Iterator[subprocess.Popen]:
         pytest.skip("prctl(PR_SET_NAME) and exec -a need Linux and bash")
     script = ("import ctypes, time; ctypes.CDLL(None).prctl(15, " + repr(IMG.encode()) + ", 0, 0, 0); "
               "print('ready', flush=True); time.sleep(120)")
-    proc = subprocess.Popen(["bash", "-c", f'exec -a "{IMG}" "{sys.executable}" -c "{script}"'],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    with ready_process(["bash", "-c", f'exec -a "{IMG}" "{sys.executable}" -c "{script}"']) as proc:
         yield proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_process_names_stay_inert(ip, monkeypatch, payload_process) -> None:

@@ -14,8 +14,9 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
     from ..diagnose import Cause, Diagnosis, FitOption, RetryVerdict
-    from ..guard import AllocatorSetting, GiveBack, GuardReport, VariableUse
+    from ..guard import AllocatorSetting, GiveBack, GuardReport, Rehearsal, VariableUse
     from ..preflight import FitCheck, Lint, Preflight
+    from ..targets import Target
 
 _OPTION_LABELS = {
     "bfloat16": "bf16/fp16",
@@ -98,6 +99,19 @@ def _option_sizes(option: FitOption, device: str) -> str:
     return " + ".join(parts)
 
 
+def target_place(target: Target) -> str:
+    """The target as a place: 'T4', or '16GiB GPU' for a size."""
+    return f"{target.name} GPU" if target.name[:1].isdigit() else target.name
+
+
+def target_label(target: Target) -> str:
+    """The target with its article: 'a T4', 'an A100-80GB', 'a 16GiB GPU', 'an 80GiB GPU'."""
+    place = target_place(target)
+    # Said aloud: letters A E F H I L M N O R S X and the numbers 8, 11, 18, 80... begin with a vowel sound.
+    vowel = place[0] in "AEFHILMNORSX8" or place.startswith(("11", "18")) and not place[2:3].isdigit()
+    return f"{'an' if vowel else 'a'} {place}"
+
+
 def _verdict_word(fits: bool | None) -> str:
     return "fits" if fits else "unknown" if fits is None else "too big"
 
@@ -167,6 +181,8 @@ def _check_lines(check: FitCheck) -> list[str]:
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
+    if check.target is not None:
+        return lines + _target_check_lines(check, check.target)
     if check.split:
         places = " + ".join(f"{format_bytes(b)} {'RAM' if d == 'cpu' else d}" for d, b in check.split)
         head = f"  device_map=\"auto\": {places} usable after headroom"
@@ -188,7 +204,40 @@ def _check_lines(check: FitCheck) -> list[str]:
         place = check.device if check.device != "auto" else next(
             (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
         lines += _table(option_rows(check.options, place), "    ")
-    return lines
+    return lines + _offload_lines(check)
+
+
+def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
+    """The fit verdict phrased for the --target GPU, its options, and the offload plan's check."""
+    label, place = target_label(target), target_place(target)
+    head = f"  on {label} this load needs {format_bytes(check.need)} of {format_bytes(check.budget)} usable"
+    if check.split:
+        places = " + ".join(f"{format_bytes(b)} {'RAM' if d == 'cpu' else d if d == 'disk' else 'on the ' + place}"
+                            for d, b in check.split)
+        head += f" with device_map=\"auto\" ({places}; RAM and disk are this machine's)"
+    else:
+        head += (f" ({format_bytes(target.usable)} after its driver and CUDA context − "
+                 f"{format_bytes(check.headroom)} headroom)" if check.headroom else " (after its driver and CUDA context)")
+    if check.verdict == "fits":
+        lines = [f"{head}; margin {format_bytes(check.margin)} → fits"]
+    else:
+        lines = [f"{head} → WILL NOT FIT: {format_bytes(-(check.margin or 0))} short"]
+    if check.options:
+        lines.append(f"  ways to fit on {label} (sizes for this model; RAM and disk are this machine's):")
+        lines += _table(option_rows(check.options, place), "    ")
+    return lines + _offload_lines(check)
+
+
+def _offload_lines(check: FitCheck) -> list[str]:
+    """Whether the advised spill to disk has room here: RAM and the offload folder's disk."""
+    offload = check.offload
+    plan = next((o for o in check.options if o.kind == "offload-folder"), None)
+    if offload is None or plan is None:
+        return []
+    if offload.ok:
+        return [f"  spill to disk checked here: {format_bytes(plan.cpu_bytes)} in RAM and "
+                f"{format_bytes(plan.disk_bytes)} on disk at {offload.folder} have room"]
+    return ["  spill to disk falls short here:"] + [f"    {line}" for line in offload.shortfalls]
 
 
 def preflight_text(preflight: Preflight) -> str:
@@ -208,7 +257,8 @@ def refusal_line(preflight: Preflight) -> str:
     short = -(check.margin or 0)
     first = next((o for o in check.options if o.fits), None)
     hint = f"; {_OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
-    return (f"--strict: line {check.call.line} will not fit on {check.device}: needs {format_bytes(check.need)}, "
+    where = target_label(check.target) if check.target is not None else check.device
+    return (f"--strict: line {check.call.line} will not fit on {where}: needs {format_bytes(check.need)}, "
             f"{format_bytes(short)} short{hint}")
 
 
@@ -241,8 +291,8 @@ def _process_line(p, kernel: tuple[int, str | None, str] | None = None) -> str:
     return text + f" → `nvidia-smi` shows it; `kill {p.pid}` if it is yours"
 
 
-def cause_text(cause: Cause, device: str = "the device") -> str:
-    """One cause: what, with its numbers, then what to do."""
+def cause_text(cause: Cause, device: str = "the device", target: Target | None = None) -> str:
+    """One cause: what, with its numbers, then what to do (``target``: the cell ran capped as that GPU)."""
     f = cause.figure
     kind = cause.kind
     lines: list[str] = []
@@ -290,6 +340,12 @@ def cause_text(cause: Cause, device: str = "the device") -> str:
                          f"({format_bytes(need)}) and more than {device} has in all ({format_bytes(total)})")
             lines.append("   → it is not the weights that do not fit: look at what the cell allocates besides the "
                          "load (a cache, a buffer, a batch)")
+        elif "over-capacity" in cause.flags and "process-limit" in cause.flags and target is not None:
+            what = (f"the load needs {format_bytes(need)}" if need is not None
+                    else f"one allocation asked for {format_bytes(f('requested'))}")
+            lines.append(f"too big for {target_label(target)}: {what}, and under --target {target.name} this "
+                         f"process may hold {format_bytes(total)} on {device} (the {target_place(target)}'s "
+                         f"{format_bytes(target.usable)} usable plus what it already held)")
         elif "over-capacity" in cause.flags and need is not None and "process-limit" in cause.flags:
             lines.append(f"too big for what this process may use: the load needs {format_bytes(need)}, and "
                          f"torch.cuda.set_per_process_memory_fraction lets it use {format_bytes(total)} of {device}")
@@ -301,7 +357,10 @@ def cause_text(cause: Cause, device: str = "the device") -> str:
                          f"has {format_bytes(total)} in all")
         else:
             lines.append(f"the load needs {format_bytes(need)} and {format_bytes(f('free_before'))} was free before it")
-        if cause.options:
+        if cause.options and target is not None:
+            lines.append(f"   ways to fit on {target_label(target)} (sizes for this model):")
+            lines += _table(option_rows(cause.options, target_place(target)), "     ")
+        elif cause.options:
             lines.append("   ways to fit (sizes for this model):")
             lines += _table(option_rows(cause.options, device), "     ")
     elif kind == "partial-load":
@@ -329,10 +388,10 @@ def retry_text(verdict: RetryVerdict) -> str:
             f"{format_bytes(verdict.free_now)} is free now → {ok}")
 
 
-def diagnosis_text(diagnosis: Diagnosis) -> str:
-    """The ranked causes with their numbers, then the retry verdict."""
+def diagnosis_text(diagnosis: Diagnosis, target: Target | None = None) -> str:
+    """The ranked causes with their numbers, then the retry verdict (``target``: ran capped as that GPU)."""
     d = diagnosis
-    head = f"diagnosis ({d.device})"
+    head = f"diagnosis ({d.device}, capped as {target_label(target)})" if target else f"diagnosis ({d.device})"
     if d.requested is not None:
         head += f": asked for {format_bytes(d.requested)}"
         if d.free is not None:
@@ -343,7 +402,7 @@ def diagnosis_text(diagnosis: Diagnosis) -> str:
     if not d.causes:
         lines.append("  no cause stands out in the figures")
     for rank, cause in enumerate(d.causes, 1):
-        body = cause_text(cause, d.device).splitlines()
+        body = cause_text(cause, d.device, target).splitlines()
         lines.append(f"  {rank}. {body[0]}")
         lines += ["  " + line for line in body[1:]]
     lines.append(retry_text(d.retry))
@@ -351,9 +410,9 @@ def diagnosis_text(diagnosis: Diagnosis) -> str:
     return "\n".join(lines)
 
 
-def diagnosis_html(diagnosis: Diagnosis) -> str:
+def diagnosis_html(diagnosis: Diagnosis, target: Target | None = None) -> str:
     """The diagnosis as HTML (escaped text)."""
-    return f"<pre class='oom-diagnosis'>{escape(diagnosis_text(diagnosis))}</pre>"
+    return f"<pre class='oom-diagnosis'>{escape(diagnosis_text(diagnosis, target))}</pre>"
 
 
 # --------------------------------------------------------------------------- give back, retry, short error
@@ -393,13 +452,17 @@ def retry_line(verdict: RetryVerdict | None, number: int, total: int) -> str:
 def short_message(report: GuardReport) -> str:
     """One line for the short exception: what ran out, how much came back, where the details are."""
     oom = report.oom
+    rehearsal = report.rehearsal
+    capped = rehearsal.target if rehearsal is not None and rehearsal.cap is not None else None
+    ran_out = (f"out of memory as on {target_label(capped)} ({report.device} capped at its "
+               f"{format_bytes(capped.usable)} usable)" if capped is not None else f"{report.device} out of memory")
     if oom is not None and oom.requested is not None:
-        what = f"{report.device} out of memory: tried to allocate {format_bytes(oom.requested)}"
+        what = f"{ran_out}: tried to allocate {format_bytes(oom.requested)}"
         free = report.diagnosis.free if report.diagnosis else None
         if free is not None:
             what += f" with {format_bytes(free)} free"
     else:
-        what = f"{report.device} out of memory: {(report.last.error or '').split(': ', 1)[-1][:160]}"
+        what = f"{ran_out}: {(report.last.error or '').split(': ', 1)[-1][:160]}"
     back = report.give_back.total if report.give_back else 0
     top = report.diagnosis.top if report.diagnosis else None
     cause = f"; most likely: {cause_title(top)}" if top is not None else ""
@@ -409,6 +472,35 @@ def short_message(report: GuardReport) -> str:
 
 
 # --------------------------------------------------------------------------- the report
+
+
+def rehearsal_line(rehearsal: Rehearsal) -> str:
+    """One line: how --target was rehearsed here (capped, or the fit check only and why)."""
+    r = rehearsal
+    t = r.target
+    usable = f"the {target_place(t)}'s {format_bytes(t.usable)} usable"
+    checked = f"only the fit check ran against {usable}" if r.checked else f"nothing was checked against {usable}"
+    head = f"--target {t.name}: "
+    if r.cap is not None:
+        held = f" + {format_bytes(r.held_before)} this process already held" if r.held_before else ""
+        line = (f"{head}{r.device} ({format_bytes(r.device_total)}) ran capped at {usable}{held} "
+                f"(memory fraction {r.cap.fraction:.6g})")
+        if r.restored:
+            line += f"; the previous fraction {r.cap.restore_to:g} was restored"
+        elif r.error:
+            line += f"; {r.error}"
+        return line
+    why = {
+        "not-cuda": f"this is {r.device}, so {checked}",
+        "not-larger": (f"{r.device} ({format_bytes(r.device_total)}) is not larger than {usable} plus what this "
+                       f"process holds, so {checked}"),
+        "torch-not-imported": f"torch is not imported yet, so no cap could be set before the cell; {checked}",
+        "cuda-not-initialized": (f"CUDA is not initialized and the cell's load was not seen going to {r.device}, so no "
+                                 f"cap was set (setting one would create a CUDA context); {checked} — name the device "
+                                 f"(--device {r.device}) to rehearse the load itself"),
+        "cap-failed": f"could not cap {r.device} ({r.error}); {checked}",
+    }.get(r.reason or "", checked)
+    return f"{head}{why}; the load itself ran uncapped"
 
 
 def _variable_line(v: VariableUse) -> str:
@@ -442,6 +534,8 @@ def run_summary_text(report: GuardReport) -> str:
         line += " · peak n/a"
     lines = [line]
     lines += ["  " + _variable_line(v) for v in r.variables]
+    if r.rehearsal is not None and r.rehearsal.cap is not None:  # the other cases were said before the cell
+        lines.append("  " + rehearsal_line(r.rehearsal))
     lines.append(f"  peak: {r.peak.note}")
     free_word = "available" if r.device == "cpu" else "free"
     lines.append(f"  {r.device}: {format_bytes(r.after.free)} {free_word} now")
@@ -460,13 +554,16 @@ def guard_report_text(report: GuardReport) -> str:
         lines.append(allocator)
     if r.preflight is not None and (r.preflight.calls or r.preflight.notes):
         lines.append(preflight_text(r.preflight))
+    capped = r.rehearsal.target if r.rehearsal is not None and r.rehearsal.cap is not None else None
+    if r.rehearsal is not None and not (r.outcome == "ok" and capped is not None):  # else in the summary
+        lines.append(rehearsal_line(r.rehearsal))
     for attempt in r.attempts:
         if attempt.outcome == "oom":
             lines.append(f"attempt {attempt.number}: {attempt.error}")
             if attempt.give_back is not None:
                 lines.append(give_back_line(attempt.give_back, r.device))
             if attempt.diagnosis is not None:
-                lines.append(diagnosis_text(attempt.diagnosis))
+                lines.append(diagnosis_text(attempt.diagnosis, capped))
             if attempt.snapshot_file:
                 lines.append(f"allocator history: {attempt.snapshot_file}")
     if r.snapshot and not any(a.snapshot_file for a in r.attempts):

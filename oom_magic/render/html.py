@@ -10,6 +10,8 @@ from .units import format_bytes
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
+    from ..jupyter_kernels import KernelInfo
+    from ..processes import ProcessInfo
     from ..snapshot import Snapshot
 
 COLORS = {"user": "#4c78a8", "stale": "#e45756", "other": "#b279a2", "untracked": "#9d755d",
@@ -35,6 +37,13 @@ def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     return f"<table class='oom-table'><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _kernel_cell(p: ProcessInfo, kernel: KernelInfo | None) -> str:
+    """The Jupyter kernel column: its notebook when this user's server names it, else yes or blank."""
+    if kernel is not None and kernel.notebook_path:
+        return kernel.notebook_path
+    return "yes" if p.is_jupyter_kernel or kernel is not None else ""
+
+
 def snapshot_html(snap: Snapshot) -> str:
     """The %gpumem report as HTML: usage line, bar, split, processes, top holders."""
     r = snap.reading
@@ -42,8 +51,11 @@ def snapshot_html(snap: Snapshot) -> str:
     parts.append(_table(("this process", "bytes", "what it is"),
                         [(s.label, format_bytes(s.bytes), s.explain) for s in memory_segments(snap) if s.key != "free"]))
     if r.processes:
-        parts.append(_table(("pid", "process", "user", "Jupyter kernel", "bytes"), [
-            (str(p.pid), p.name or "?", p.user or "?", "yes" if p.is_jupyter_kernel else "", format_bytes(p.used_bytes))
+        kernels = dict(snap.kernels)
+        head = ("pid", "process", "user", "Jupyter kernel", "bytes") + (("how to stop it",) if kernels else ())
+        parts.append(_table(head, [
+            (str(p.pid), p.name or "?", p.user or "?", _kernel_cell(p, kernels.get(p.pid)), format_bytes(p.used_bytes))
+            + ((kernels[p.pid].stop_hint if p.pid in kernels else "",) if kernels else ())
             for p in r.processes]))
     groups = snap.holders()
     if groups:

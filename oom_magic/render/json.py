@@ -41,4 +41,6 @@ def snapshot_dict(snap: Snapshot) -> dict[str, Any]:
         "objects_scanned": snap.objects_scanned,
         "attribution_complete": snap.attribution_complete,
         "notes": list(snap.notes),
+        "heap_scan": snap.heap_scan,
+        "jupyter_kernels": {str(pid): record_dict(info) for pid, info in snap.kernels},
     }

@@ -9,6 +9,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
     from ..devices import DeviceReading
+    from ..jupyter_kernels import KernelInfo
     from ..snapshot import Snapshot
 
 BAR_WIDTH = 40
@@ -59,8 +60,11 @@ def snapshot_text(snap: Snapshot) -> str:
     if stale_parts:
         lines.append("  stale is " + ", ".join(f"{k} {format_bytes(b)}" for k, b in stale_parts))
     if r.processes:
+        kernels = dict(snap.kernels)
         lines.append("other processes")
-        lines += table((f"pid {p.pid}", _process_label(p), format_bytes(p.used_bytes)) for p in r.processes)
+        lines += table((f"pid {p.pid}", _process_label(p, kernels.get(p.pid)), format_bytes(p.used_bytes))
+                       for p in r.processes)
+        lines += [f"  to stop pid {pid}: {info.stop_hint}" for pid, info in kernels.items()]
     groups = snap.holders()
     if groups:
         shown = groups if snap.top_n <= 0 else groups[: snap.top_n]
@@ -72,11 +76,13 @@ def snapshot_text(snap: Snapshot) -> str:
     return "\n".join(lines)
 
 
-def _process_label(p) -> str:
+def _process_label(p, kernel: KernelInfo | None = None) -> str:
     parts = [p.name or "?"]
     if p.user:
         parts.append(f"user {p.user}")
-    if p.is_jupyter_kernel:
+    if kernel is not None and kernel.notebook_path:
+        parts.append(f"Jupyter kernel of {kernel.notebook_path}")
+    elif p.is_jupyter_kernel or kernel is not None:
         parts.append("Jupyter kernel")
     if p.note:
         parts.append(p.note)
