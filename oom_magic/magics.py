@@ -200,6 +200,8 @@ class OomMagics(Magics):
         try:
             from .watch import mark_cell
 
-            mark_cell("%%guardload", oom=report is not None and report.outcome == "oom")
+            peak = getattr(report, "peak", None)
+            measured = (peak.bytes, peak.measure) if peak is not None and peak.bytes is not None else None
+            mark_cell("%%guardload", oom=report is not None and report.outcome == "oom", peak=measured)
         except Exception:
             pass

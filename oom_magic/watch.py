@@ -195,17 +195,19 @@ def cell_peak(level_before: int | None, high_before: int | None, level_after: in
 _active: Watcher | None = None
 
 
-def mark_cell(label: str | None = None, *, oom: bool = False) -> bool:
+def mark_cell(label: str | None = None, *, oom: bool = False, peak: tuple[int, str] | None = None) -> bool:
     """Label the running cell on the timeline (and flag an out-of-memory error the guard caught).
 
     Called by ``%%guardload`` while its cell runs; the label shows on ``%gpumem --plot`` and
-    ``oom=True`` makes the cell count as an out-of-memory cell (the widget is shown for it).
+    ``oom=True`` makes the cell count as an out-of-memory cell (the widget is shown for it);
+    ``peak`` is the guard's own (bytes, measure) for the cell, used where the watcher's is lost
+    because the guard reset the high-water mark.
     Returns False, doing nothing, when the extension is not loaded.
     """
     watcher = _active
     if watcher is None:
         return False
-    watcher.mark(label, oom=oom)
+    watcher.mark(label, oom=oom, peak=peak)
     return True
 
 
@@ -233,6 +235,7 @@ class Watcher:
         self._last_variable_bytes: int | None = None
         self._pending_label: str | None = None
         self._pending_oom = False
+        self._pending_peak: tuple[int, str] | None = None  # (bytes, 'resident' | 'allocated') the guard measured
         self._rss = _ResidentSet()
         self._bound = _BoundTensors()
         self._mps: bool | None = None
@@ -272,6 +275,7 @@ class Watcher:
         before, self._before = self._before, None
         label, self._pending_label = self._pending_label, None
         forced_oom, self._pending_oom = self._pending_oom, False
+        measured, self._pending_peak = self._pending_peak, None
         if torch is None:
             return None
         after = self._probe(torch)
@@ -305,6 +309,10 @@ class Watcher:
         peak = None
         if before is not None:
             peak = cell_peak(before.level, before.high_water, after.level, after.high_water)
+            # The guard resets the high-water mark for its own peak: take its figure where ours is lost.
+            if peak is None and measured is not None and after.level is not None and \
+                    measured[1] == ("resident" if after.device == "cpu" else "allocated"):
+                peak = max(measured[0], after.level, before.level or 0)
         peak_delta = _diff(peak, before.level) if before is not None else None
         record = CellRecord(
             execution_count=execution_count, device=after.device, allocated=after.allocated,
@@ -315,11 +323,13 @@ class Watcher:
         return CellChange(record, before, after, delta, variable_delta, peak_delta, tuple(reasons), variable_bytes)
 
     # -- annotations -----------------------------------------------------------------------------
-    def mark(self, label: str | None, *, oom: bool = False) -> None:
+    def mark(self, label: str | None, *, oom: bool = False, peak: tuple[int, str] | None = None) -> None:
         """Label the running cell (see ``mark_cell``)."""
         if label is not None:
             self._pending_label = str(label)
         self._pending_oom = self._pending_oom or bool(oom)
+        if peak is not None:
+            self._pending_peak = peak
 
     def note_scan(self, snap: Snapshot, record: CellRecord | None = None) -> CellRecord | None:
         """Store the tensor bytes a scan after a cell found in that cell's record (default: the last)."""

@@ -513,3 +513,12 @@ def test_the_per_process_memory_fraction_caps_what_this_process_may_use():
     assert cuda_process_cap("cuda:0", FakeTorch(FakeCuda(initialized=False, fraction=0.5))) is None  # no context made
     assert cuda_process_cap("cpu", FakeTorch(FakeCuda(fraction=0.5))) is None
 
+
+
+def test_a_guarded_cell_keeps_its_peak_on_the_timeline(torch_ip):
+    """The guard resets VmHWM to measure its own peak; the after-cell record takes the guard's figure."""
+    result = torch_ip.run_cell("%%guardload --quiet\nw = torch.ones(16 << 20)\nw.add_(1);\n", store_history=True)
+    report = result.result
+    record = _magics(torch_ip).cell_watch.watcher.history[-1]
+    assert record.label == "%%guardload" and report.peak.measure == "resident"
+    assert record.peak is not None and record.peak >= report.peak.bytes

@@ -318,3 +318,19 @@ def test_a_mark_in_a_cell_without_torch_does_not_leak_into_a_later_cell(monkeypa
     finally:
         watch.deactivate(w)
     assert later.record.label is None and not later.oom
+
+
+def test_a_guards_own_peak_stands_in_when_it_reset_the_high_water_mark() -> None:
+    # Each cell reads 500 MiB resident before and 520 MiB after; the high-water mark reads 900 MiB
+    # before and 700 MiB after, because the guard reset it during the cell (VmHWM via clear_refs).
+    readings = iter([Probe("cpu", rss=500 * MiB, high_water=900 * MiB), Probe("cpu", rss=520 * MiB, high_water=700 * MiB)] * 3)
+    w = Watcher(probe=lambda torch: next(readings))
+    w.before_cell()
+    assert w.after_cell(1, None, {}).record.peak is None  # reset inside, nothing said: unknown
+    w.before_cell()
+    w.mark("%%guardload", peak=(700 * MiB, "resident"))  # what the guard measured after its reset
+    change = w.after_cell(2, None, {})
+    assert change.record.peak == 700 * MiB and change.record.label == "%%guardload"
+    w.before_cell()
+    w.mark("%%guardload", peak=(700 * MiB, "allocated"))  # another measure than this device's: not used
+    assert w.after_cell(3, None, {}).record.peak is None
