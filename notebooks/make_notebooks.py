@@ -141,7 +141,10 @@ def quickstart() -> nbformat.NotebookNode:
         with a small Llama built from a config and saved under `_models/` — nothing is downloaded.
 
         Load the extension once per kernel. From then on, a cell that changes device memory gets a
-        small memory widget under its output.
+        small memory widget under its output. It keeps to 50 ms: on a heap too big to scan in that
+        time (a kernel with torch and transformers imported usually is), it shows the *quick view* —
+        what your variables, the output cache and tracebacks hold — and says so; `%gpumem` and the
+        widget's button always scan everything.
         """),
         code("load-ext", "%load_ext oom_magic"),
         code("setup", setup("_models/tiny-llama")),
