@@ -27,6 +27,7 @@ only when a widget is built, and IPython only when something is displayed.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from dataclasses import replace
 from html import escape
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["CellWatch", "MemoryWidget"]
 
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+# The quick view's walk always gets this long, however little of the hook's budget is left.
+_MIN_WALK_SECONDS = 0.01
 MODES = ("changes", "always", "off")
 
 FreeAction = Callable[[str], "tuple[FreeReport, Snapshot]"]
@@ -158,6 +161,8 @@ class CellWatch:
         self.settings = settings
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
         self.scan_cost = ScanCost()  # decides between a full scan and the quick view after a cell
+        self.widget_seconds = 0.02  # what showing a widget costs, learnt from each one shown
+        self._hook_started: float | None = None
         self.enabled = True
         self.warned_static = False  # "no ipywidgets" is said once, not under every cell
         self.live: list[MemoryWidget] = []
@@ -205,8 +210,11 @@ class CellWatch:
             pass  # the user interrupted a scan: no widget for this cell, the hook stays on
         except Exception as exc:
             self._fail(exc)
+        finally:
+            self._hook_started = None  # a scan outside the hook (--pin) has the whole budget
 
     def _after(self, result: ExecutionResult) -> None:
+        self._hook_started = time.perf_counter()
         info = getattr(result, "info", None)
         if info is not None and getattr(info, "silent", False):
             return
@@ -222,7 +230,11 @@ class CellWatch:
             if wanted:
                 self.pinned.show(self._report(change))
         elif mode != "off" and wanted:
-            self.show(self._report(change))
+            report = self._report(change)
+            shown = time.perf_counter()
+            self.show(report)
+            # What showing a widget costs here (models, comm messages, freezing the oldest), for the budget.
+            self.widget_seconds = 0.5 * self.widget_seconds + 0.5 * (time.perf_counter() - shown)
 
     def _fail(self, exc: BaseException) -> None:
         self.enabled = False
@@ -309,11 +321,14 @@ class CellWatch:
         blocks = self.scan_cost.heap_blocks()
         budget = max(int(getattr(self.settings, "hook_budget_ms", 50)), 0) / 1000
         predicted = self.scan_cost.predict(blocks)
-        if hook and predicted > budget:
-            snap = snapshot(device, roots=roots, heap_scan=False, budget_seconds=budget)
+        # The budget covers the whole hook: the reading so far, the scan, and showing the widget.
+        spent = time.perf_counter() - self._hook_started if self._hook_started is not None else 0.0
+        left = budget - spent - self.widget_seconds
+        if hook and predicted > left:
+            snap = snapshot(device, roots=roots, heap_scan=False, budget_seconds=max(left, _MIN_WALK_SECONDS))
             why = (f"heap scan skipped: a full scan of this heap ({blocks:,} allocated blocks) would take about "
-                   f"{predicted * 1000:,.0f} ms, over the after-cell budget of {budget * 1000:,.0f} ms "
-                   "(OomMagics.hook_budget_ms)")
+                   f"{predicted * 1000:,.0f} ms, more than the after-cell budget of {budget * 1000:,.0f} ms "
+                   "(OomMagics.hook_budget_ms) leaves once the reading and the widget are paid for")
             return replace(snap, notes=(why,) + snap.notes)
         snap = snapshot(device, roots=roots)
         if snap.heap_scan and snap.objects_scanned:
