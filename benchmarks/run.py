@@ -515,8 +515,12 @@ def scan_notes(scan: dict[str, Any], before_note: str) -> list[str]:
         "(`str(tensor.device)` cost more than the rest of a tensor) and reads shapes once per storage; the "
         "holder walk goes level by level with one small tuple per queued object, renders path text only for "
         "the tensors it finds (not for every object it visits), decides per class (not per object) which "
-        "branch handles an object, and skips lists and tuples of atoms in C. Holders, paths, walk order and "
-        "budgets are unchanged.",
+        "branch handles an object, and skips lists and tuples of atoms in C. Then: only gc-tracked children "
+        "are queued (a tensor is tracked, and so is anything that holds one), plain lists of atoms are not "
+        "queued, rows of plain dicts or plain-class instances that cannot lead to a tensor (a tokenised "
+        "dataset's records) are marked walked in C-level passes, and containers of more than 4,096 items are "
+        "expanded last, in slices. Holders and paths are unchanged; a path through a huge container now "
+        "loses to one through small ones.",
         "",
     ]
     return lines
@@ -626,7 +630,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=("scan", "hook", "kernel", "estimate", "cleanup"),
                         help="run only these benchmarks")
     parser.add_argument("--before", default=BEFORE_REF, help="git ref whose tracker/holders are timed as 'before' ('' to skip)")
+    parser.add_argument("--render", action="store_true",
+                        help="only write RESULTS.md again from results.json (after editing this script's prose)")
     args = parser.parse_args(argv)
+    if args.render:
+        results = json.loads((HERE / "results.json").read_text())
+        (HERE / "RESULTS.md").write_text(results_markdown(results, results["elapsed_s"]))
+        log("wrote benchmarks/RESULTS.md from benchmarks/results.json (no benchmark ran)")
+        return 0
     started = time.perf_counter()
     wanted = set(args.only or ("scan", "hook", "kernel", "estimate", "cleanup"))
     results: dict[str, Any] = {"machine": machine()}
