@@ -29,7 +29,7 @@ _NEVER_DESCEND = frozenset({types.ModuleType, type, types.BuiltinFunctionType,
                             types.CodeType, types.GetSetDescriptorType, types.MemberDescriptorType,
                             weakref.ref})
 _KEY_MARK = re.compile("\x00(\\d+):(\\d+)\x00")
-# nn.Module internals shown as attributes, and hook dicts that only hold callables.
+# nn.Module's child dicts: their entries are shown as attributes (model.fc.weight).
 _MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
 
 
@@ -462,13 +462,23 @@ def _module_children(module: Any) -> list[tuple[object, int, object]]:
         named = attrs.get(group)
         if type(named) is dict:
             children.extend((value, _MODATTR, name) for name, value in list(named.items()) if value is not None)
-    is_tracked = gc.is_tracked
+    is_tracked, internal = gc.is_tracked, _MODULE_INTERNALS
     for name, value in list(attrs.items()):
-        if is_tracked(value) and name not in _MODULE_CHILD_DICTS and not (
-            type(name) is str and name.startswith("_") and name.endswith("hooks")
-        ):
-            children.append((value, _ATTR, name))
+        if name in internal or not is_tracked(value):
+            continue
+        if type(name) is str and name.startswith("_") and name.endswith("hooks"):
+            continue  # hook dicts of other libraries' modules: callables, not weights
+        children.append((value, _ATTR, name))
     return children
+
+
+# What nn.Module.__init__ sets besides the three child dicts: flags, name sets and hook dicts.
+_MODULE_INTERNALS = frozenset({
+    "_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set", "_is_full_backward_hook",
+    "_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+})
 
 
 def _function_children(func: types.FunctionType) -> Iterator[tuple[object, str]]:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from ._torch import loaded_torch
@@ -80,15 +81,19 @@ class Snapshot:
 
     def holders(self, kind: str | None = None) -> tuple[HolderGroup, ...]:
         """Storages grouped by holder path, largest first (optionally one kind only)."""
+        groups = self._holder_groups
+        return groups if kind is None else tuple(g for g in groups if g.kind == kind)
+
+    @cached_property
+    def _holder_groups(self) -> tuple[HolderGroup, ...]:
+        # Grouped once per snapshot: every view of it (table, caption, details, exports) asks again.
         groups: dict[tuple[str, str], list[StorageRecord]] = {}
         for record in self.storages:
-            if kind is None or record.holder_kind == kind:
-                groups.setdefault((record.holder_kind, record.holder_path or "?"), []).append(record)
-        result = [
-            HolderGroup(k, path, sum(r.bytes for r in rs), len(rs),
-                        max(rs, key=lambda r: r.bytes).dtype, max(rs, key=lambda r: r.bytes).shape)
-            for (k, path), rs in groups.items()
-        ]
+            groups.setdefault((record.holder_kind, record.holder_path or "?"), []).append(record)
+        result = []
+        for (k, path), rs in groups.items():
+            largest = max(rs, key=lambda r: r.bytes)
+            result.append(HolderGroup(k, path, sum(r.bytes for r in rs), len(rs), largest.dtype, largest.shape))
         return tuple(sorted(result, key=lambda g: (-g.bytes, g.path)))
 
     def held_by(self, path_prefix: str) -> int:

@@ -58,7 +58,11 @@ FreeAction = Callable[[str], "tuple[FreeReport, Snapshot]"]
 
 
 class MemoryWidget:
-    """One memory view: caption, stacked bar, free-stale button and collapsible details; live until frozen."""
+    """One memory view: caption, stacked bar with collapsible details, free-stale button; live until frozen.
+
+    Three parts (a Label, an HTML, a button row): every ipywidgets part is a model with its own comm
+    messages, so the details are a ``<details>`` element inside the bar's HTML, not an Accordion.
+    """
 
     def __init__(self, report: CellReport, *, free: FreeAction | None = None, pinned: bool = False) -> None:
         import ipywidgets as w
@@ -68,16 +72,15 @@ class MemoryWidget:
         self.handle: Any | None = None  # the DisplayHandle of the output showing this widget
         self._free = free
         self._busy = False
+        self._static: tuple[CellReport, dict[str, str]] | None = None
         self.caption = w.Label()
         self.bar = w.HTML()
         self.button = w.Button(button_style="warning", icon="trash", layout=w.Layout(width="auto"),
                                tooltip="Free tensors only the output cache, a stored traceback or garbage "
                                        "holds (what %freeall frees); no variable of yours is touched")
         self.status = w.HTML()
-        self.details_body = w.HTML()
-        self.details = w.Accordion(children=[self.details_body], titles=("details",), selected_index=None)
         self._row = w.HBox([self.button, self.status])
-        self.box = w.VBox([self.caption, self.bar, self._row, self.details])
+        self.box = w.VBox([self.caption, self.bar, self._row])
         self.button.on_click(self._on_free)
         self.show(report)
 
@@ -88,8 +91,8 @@ class MemoryWidget:
         if self.closed:
             return
         snap = report.snapshot
-        self.bar.value = bar_html(snap)
-        self.details_body.value = cell_details_html(snap)
+        self.bar.value = (bar_html(snap) + "<details class='oom-details'><summary>details</summary>"
+                          + cell_details_html(snap) + "</details>")
         self.status.value = escape(freed_line(report.freed)) if report.freed is not None else ""
         self._show_button()
         # The caption goes last: a frontend that shows the new caption has every other part too.
@@ -101,13 +104,18 @@ class MemoryWidget:
         self.button.layout.display = None if stale > 0 and self._free is not None else "none"
 
     @property
+    def details_body(self) -> Any:
+        """The HTML part that holds the details (the bar's: see the class docstring)."""
+        return self.bar
+
+    @property
     def closed(self) -> bool:
         """Whether the widget's models are closed (frozen widgets show static HTML only)."""
         return self.box.comm is None
 
     def close(self) -> None:
         """Close every model this widget created (box, children, their layouts and styles)."""
-        for widget in (self.box, self._row, self.details, self.details_body, self.caption, self.bar,
+        for widget in (self.box, self._row, self.caption, self.bar,
                        self.button, self.status):
             for part in (widget, getattr(widget, "layout", None), getattr(widget, "style", None)):
                 if part is not None and part.comm is not None:
@@ -134,8 +142,11 @@ class MemoryWidget:
     # -- display ---------------------------------------------------------------------------------
     def static_bundle(self) -> dict[str, str]:
         """text/plain and text/html of the state shown (what exports and frozen outputs keep)."""
-        return {"text/plain": cell_text(self.report, pinned=self.pinned),
-                "text/html": cell_html(self.report, pinned=self.pinned)}
+        cached = self._static
+        if cached is None or cached[0] is not self.report:  # rendered once per state: display, then freeze
+            cached = self._static = (self.report, {"text/plain": cell_text(self.report, pinned=self.pinned),
+                                                   "text/html": cell_html(self.report, pinned=self.pinned)})
+        return dict(cached[1])
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
         data: dict[str, Any] = {}

@@ -73,7 +73,7 @@ def test_a_cell_that_changes_memory_gets_a_widget(ip, watch) -> None:
     assert caption.endswith("stale 0 B")
     assert "oom-seg-user" in w.bar.value and "user: 64.00 MiB" in w.bar.value
     assert "<code>x</code>" in w.details_body.value and "64.00 MiB" in w.details_body.value
-    assert w.details.selected_index is None  # details start collapsed
+    assert "<details class='oom-details'><summary>details</summary>" in w.bar.value  # collapsed: no `open`
     assert w.button.layout.display == "none"  # nothing stale: no button
     record = watch.watcher.history[-1]
     assert record.changed and record.tensor_bytes is not None and record.tensor_bytes >= 64 * MiB

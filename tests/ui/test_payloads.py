@@ -84,8 +84,8 @@ def test_payloads_stay_inert_in_jupyterlab(browser_page, jupyter_lab: JupyterLab
     # Widgets render after their outputs arrive: wait until the last cell's memory view is there.
     page.wait_for_function("() => document.querySelectorAll('.jp-Notebook .widget-vbox .oom-bar').length >= 5",
                            timeout=60_000)
-    for header in page.locator(".jp-Notebook .widget-vbox .jupyter-widget-Collapse-header").all():
-        header.click()  # open every widget's details: their holder tables render too
+    for summary in page.locator(".jp-Notebook .widget-vbox details.oom-details > summary").all():
+        summary.click()  # open every widget's details: their holder tables show too
     time.sleep(2)  # an onerror handler fires asynchronously, once the image fails to load
 
     outputs = page.locator(".jp-Notebook .jp-OutputArea")
