@@ -524,7 +524,7 @@ def test_an_unreachable_server_leaves_the_pid_only(ip, monkeypatch, kernel_like_
     text, html = snapshot_text(snap), snapshot_html(snap)
     row = next(line for line in text.splitlines() if f"pid {kernel}" in line)
     assert row.endswith("Jupyter kernel  3.00 GiB") and "to stop" not in text
-    assert "how to stop it" not in html and "<td>yes</td>" in html
+    assert "how to stop it" not in html and "<td style='text-align:left'>yes</td>" in html
 
 
 def test_no_other_process_asks_no_server(ip, monkeypatch):
@@ -536,4 +536,4 @@ def test_no_other_process_asks_no_server(ip, monkeypatch):
     snap = ip.run_line_magic("gpumem", "--device cuda:0")
     text, html = snapshot_text(snap), snapshot_html(snap)
     assert snap.reading.processes == () and asked == []
-    assert "\nother processes\n" not in text and "<th style='text-align:left'>pid</th>" not in html
+    assert "\nother processes\n" not in text and "<th style='text-align:right'>pid</th>" not in html

@@ -325,5 +325,5 @@ def test_gpumem_names_the_notebook_of_another_kernel_on_the_gpu(server, ip, monk
     assert f"  to stop pid {a}: Kernel → Shut Down Kernel in a.ipynb (Jupyter at {url}), or `kill {a}`" in text
     assert (f"  to stop pid {bare}: shut it down in the Running Terminals and Kernels panel of Jupyter at {url}, "
             f"or `kill {bare}`") in text
-    assert "<td>a.ipynb</td>" in html and f"or `kill {a}`</td>" in html
+    assert "<td style='text-align:left'>a.ipynb</td>" in html and f"or `kill {a}`</td>" in html
     assert server.token not in text and server.token not in html

@@ -32,9 +32,15 @@ def bar_html(snap: Snapshot) -> str:
 
 
 def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    th = "".join(f"<th style='text-align:left'>{escape(h)}</th>" for h in head)
-    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    # JupyterLab right-aligns every table cell: text columns are set left, figures stay right.
+    align = ["right" if h in _FIGURE_COLUMNS else "left" for h in head]
+    th = "".join(f"<th style='text-align:{a}'>{escape(h)}</th>" for h, a in zip(head, align))
+    body = "".join("<tr>" + "".join(f"<td style='text-align:{a}'>{escape(c)}</td>" for c, a in zip(row, align))
+                   + "</tr>" for row in rows)
     return f"<table class='oom-table'><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_FIGURE_COLUMNS = frozenset({"bytes", "storages", "pid"})
 
 
 def _kernel_cell(p: ProcessInfo, kernel: KernelInfo | None) -> str:
