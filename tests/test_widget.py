@@ -329,3 +329,18 @@ def test_within_its_budget_the_hook_scans_the_whole_heap_and_learns_its_cost(ip,
     assert not any("quick view" in n for n in snap.notes)
     assert watch.scan_cost.seconds_per_block != rate  # folded in the measured scan
 
+
+
+def test_on_cuda_the_quick_view_calls_the_remainder_not_attributed() -> None:
+    """FAKE CUDA figures: without a heap scan, allocated − found is not only the autograd graph."""
+    from dataclasses import replace
+
+    from oom_magic.render.segments import memory_segments
+
+    full = fake_gpu_report().snapshot
+    quick = replace(full, heap_scan=False)
+    (full_rest,) = [s for s in memory_segments(full) if s.key == "untracked"]
+    (quick_rest,) = [s for s in memory_segments(quick) if s.key == "untracked"]
+    assert full_rest.label == "untracked" and "autograd graph" in full_rest.explain
+    assert quick_rest.label == "not attributed (quick view)" and quick_rest.bytes == full_rest.bytes
+    assert "garbage, a library's tensors or the autograd graph" in quick_rest.explain

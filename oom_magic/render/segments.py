@@ -37,9 +37,14 @@ def memory_segments(snap: Snapshot) -> tuple[Segment, ...]:
             elsewhere = max(r.used - max(r.process_used, snap.tracked_bytes), 0)
         parts.append(Segment("others", "other processes", elsewhere, "used by the rest of the system"))
     else:
+        untracked = (Segment("untracked", "untracked", snap.untracked_bytes,
+                             "allocated by PyTorch but in no tensor Python can see (autograd graph, workspaces)")
+                     if snap.heap_scan else
+                     Segment("untracked", "not attributed (quick view)", snap.untracked_bytes,
+                             "allocated by PyTorch but not reached from your variables, the output cache or "
+                             "tracebacks: garbage, a library's tensors or the autograd graph; %gpumem says which"))
         parts += [
-            Segment("untracked", "untracked", snap.untracked_bytes,
-                    "allocated by PyTorch but in no tensor Python can see (autograd graph, workspaces)"),
+            untracked,
             Segment("cache", "cache", r.cache,
                     "reserved by PyTorch but unallocated: torch.cuda.empty_cache() returns it"),
             Segment("context", "context/non-PyTorch", r.context,
