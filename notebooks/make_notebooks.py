@@ -215,7 +215,9 @@ def quickstart() -> nbformat.NotebookNode:
         code("click", '''
         def click_free_button() -> None:
             """Do what a click on "Free stale tensors" under the previous cell does; print the widget's caption."""
-            widget = get_ipython().magics_manager.registry["OomMagics"].cell_watch.live[-1]
+            import oom_magic
+
+            widget = oom_magic.latest_widget()  # the widget under the previous cell
             widget.button.click()  # runs the button's handler in the kernel, as a click does
             print(widget.caption.value)
             print(widget.status.value)

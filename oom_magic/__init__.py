@@ -26,7 +26,7 @@ __all__ = [
     "Diagnosis", "GuardReport", "Preflight", "diagnose", "guard_load", "preflight_check",
     "CheckpointEstimate", "DeviceReading", "FreeReport", "OOMMessage", "OomMagicError", "Snapshot",
     "available_devices", "estimate_checkpoint", "free_stale", "is_out_of_memory", "parse_oom_message", "read_device",
-    "resolve_checkpoint", "snapshot", "load_ipython_extension", "unload_ipython_extension",
+    "resolve_checkpoint", "snapshot", "load_ipython_extension", "unload_ipython_extension", "latest_widget",
 ]
 
 
@@ -42,3 +42,14 @@ def unload_ipython_extension(ipython: Any) -> None:
     from ._extension import unload
 
     unload(ipython)
+
+
+def latest_widget(ipython: Any = None) -> Any:
+    """The newest live memory widget under a cell (the pinned one while pinned), or None.
+
+    ``latest_widget().button.click()`` does what a click does; ``.report`` holds its figures.
+    """
+    from ._extension import loaded_magics
+
+    magics = loaded_magics(ipython)
+    return magics.cell_watch.latest if magics is not None else None

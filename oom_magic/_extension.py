@@ -7,7 +7,7 @@ hooks displayed, and removes the magics.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -50,3 +50,13 @@ def unload(shell: InteractiveShell) -> None:
         registered = shell.magics_manager.magics.get(kind, {})
         for name in table:
             registered.pop(name, None)
+
+
+def loaded_magics(shell: InteractiveShell | None = None) -> Any:
+    """The loaded OomMagics of ``shell`` (default: the running shell), or None."""
+    if shell is None:
+        from .roots import current_shell
+
+        shell = current_shell()
+    manager = getattr(shell, "magics_manager", None)
+    return manager.registry.get(_REGISTRY_NAME) if manager is not None else None

@@ -185,6 +185,13 @@ class CellWatch:
                                                           "post_run_cell": self.post_run_cell}
 
     # -- registration (used by _extension) -------------------------------------------------------
+    @property
+    def latest(self) -> MemoryWidget | None:
+        """The newest live widget (the pinned one while pinned), or None."""
+        if self.pinned is not None and not self.pinned.closed:
+            return self.pinned
+        return next((w for w in reversed(self.live) if not w.closed), None)
+
     def callbacks(self) -> dict[str, Callable[..., None]]:
         """The event name → callback pairs to register; the same objects every time."""
         return dict(self._callbacks)

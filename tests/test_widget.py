@@ -344,3 +344,19 @@ def test_on_cuda_the_quick_view_calls_the_remainder_not_attributed() -> None:
     assert full_rest.label == "untracked" and "autograd graph" in full_rest.explain
     assert quick_rest.label == "not attributed (quick view)" and quick_rest.bytes == full_rest.bytes
     assert "garbage, a library's tensors or the autograd graph" in quick_rest.explain
+
+
+def test_latest_widget_is_the_newest_live_one(ip, watch) -> None:
+    import oom_magic
+
+    assert oom_magic.latest_widget(ip) is None
+    run(ip, "a = torch.ones(16 << 20)")
+    run(ip, "b = torch.ones(16 << 20)")
+    assert oom_magic.latest_widget(ip) is watch.live[-1] is not watch.live[0]
+    pinned = watch.pin()
+    assert oom_magic.latest_widget(ip) is pinned
+    ip.run_line_magic("unload_ext", "oom_magic")
+    try:
+        assert oom_magic.latest_widget(ip) is None
+    finally:
+        ip.run_line_magic("load_ext", "oom_magic")
