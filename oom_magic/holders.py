@@ -17,7 +17,7 @@ from itertools import chain, islice, repeat
 from typing import Any, Iterator
 
 from .roots import Roots
-from .tracker import LiveTensors, group_storages
+from .tracker import LiveTensors, gc_paused, group_storages
 
 USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
 STALE_KINDS = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
@@ -527,6 +527,13 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
               budget_nodes: int = 2_000_000, budget_seconds: float = 5.0,
               find_garbage: bool = True, trace_other: bool = True) -> Attribution:
     """Find a holder for every storage in ``live`` (user → output-cache → traceback → garbage → other)."""
+    with gc_paused():
+        return _attribute(live, roots, torch, tensor_types, budget_nodes=budget_nodes, budget_seconds=budget_seconds,
+                          find_garbage=find_garbage, trace_other=trace_other)
+
+
+def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
+               budget_nodes: int, budget_seconds: float, find_garbage: bool, trace_other: bool) -> Attribution:
     walk = _Walk(live, tensor_types, torch, roots.containers + (live.tensors, live.storage_of, sys.modules),
                  budget_nodes, time.perf_counter() + budget_seconds)
     user_reachable = _walk_roots(walk, roots)
@@ -549,6 +556,12 @@ def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type],
     What no root reaches (garbage, a library's globals) is not found: a quick view whose cost
     depends on what the user holds, not on the heap's size. Release the LiveTensors after use.
     """
+    with gc_paused():
+        return _attribute_reachable(roots, torch, tensor_types, device, budget_nodes, budget_seconds)
+
+
+def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None,
+                         budget_nodes: int, budget_seconds: float) -> tuple[LiveTensors, Attribution]:
     walk = _Walk(LiveTensors([], {}, {}, 0, 0), tensor_types, torch, roots.containers + (sys.modules,),
                  budget_nodes, time.perf_counter() + budget_seconds, collect=True)
     user_reachable = _walk_roots(walk, roots)

@@ -7,10 +7,11 @@ subclasses, in C-level iteration (map/compress), which keeps it close to ``gc.ge
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import compress
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
@@ -59,14 +60,32 @@ def tensor_types(torch: ModuleType) -> frozenset[type]:
     return frozenset(found)
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Automatic collection off while a scan runs, back as it was afterwards.
+
+    A scan allocates a record per storage and a queue entry per object walked; with the
+    collector on, those allocations trigger collections that traverse the whole heap again
+    (a 100,000-tensor heap: 0.6 s of grouping became 1.2 s). Nothing is collected or freed here.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
     """Scan the gc heap for tensors (on ``device`` when given), grouped into storages."""
     types = tensor_types(torch)
-    objects = gc.get_objects()
-    scanned = len(objects)
-    tensors = list(compress(objects, map(types.__contains__, map(type, objects))))
-    del objects
-    return group_storages(tensors, types, device, scanned)
+    with gc_paused():
+        objects = gc.get_objects()
+        scanned = len(objects)
+        tensors = list(compress(objects, map(types.__contains__, map(type, objects))))
+        del objects
+        return group_storages(tensors, types, device, scanned)
 
 
 def group_storages(tensors: list[Any], types: frozenset[type], device: str | None = None,

@@ -162,3 +162,24 @@ def test_a_row_class_with_a_dict_property_is_never_read_in_bulk():
     t = torch.ones(5)
     _, paths = _scan(rows=rows, t=t)
     assert calls == [] and paths[_key(t)] == "t"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_scan_pauses_automatic_collection_and_puts_it_back(enabled: bool):
+    """A scan allocates a record per storage: with the collector on, that would start full collections."""
+    during: list[bool] = []
+
+    class Spy(torch.Tensor):
+        def untyped_storage(self):  # the heap pass reads every tensor's storage: note the collector's state
+            during.append(gc.isenabled())
+            return super().untyped_storage()
+
+    spy = torch.ones(3).as_subclass(Spy)
+    (gc.enable if enabled else gc.disable)()
+    try:
+        storages, paths = _scan(spy=spy)
+        after = gc.isenabled()
+    finally:
+        gc.enable()
+    assert during and not any(during) and after is enabled
+    assert paths[_key(spy)] == "spy"
