@@ -173,6 +173,7 @@ class CellWatch:
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
         self.scan_cost = ScanCost()  # decides between a full scan and the quick view after a cell
         self.widget_seconds = 0.02  # what showing a widget costs, learnt from each one shown
+        self.after_walk_seconds = 0.005  # what a quick view costs past its walk's deadline, learnt likewise
         self._hook_started: float | None = None
         self.enabled = True
         self.warned_static = False  # "no ipywidgets" is said once, not under every cell
@@ -343,7 +344,10 @@ class CellWatch:
         spent = time.perf_counter() - self._hook_started if self._hook_started is not None else 0.0
         left = budget - spent - self.widget_seconds
         if hook and predicted > left:
-            snap = snapshot(device, roots=roots, heap_scan=False, budget_seconds=max(left, _MIN_WALK_SECONDS))
+            walk = max(left - self.after_walk_seconds, _MIN_WALK_SECONDS)
+            snap = snapshot(device, roots=roots, heap_scan=False, budget_seconds=walk)
+            # What the quick view costs besides its walk (grouping and naming what it found), for the budget.
+            self.after_walk_seconds = 0.5 * self.after_walk_seconds + 0.5 * max(snap.scan_seconds - walk, 0.0)
             why = (f"heap scan skipped: a full scan of this heap ({blocks:,} allocated blocks) would take about "
                    f"{predicted * 1000:,.0f} ms, more than the after-cell budget of {budget * 1000:,.0f} ms "
                    "(OomMagics.hook_budget_ms) leaves once the reading and the widget are paid for")
