@@ -49,7 +49,8 @@ def counted(name):
     return full_pass
 
 real = {"tracker": tracker.gc, "holders": holders.gc}
-tracker.gc = types.SimpleNamespace(get_objects=counted("get_objects"))
+tracker.gc = types.SimpleNamespace(get_objects=counted("get_objects"), isenabled=gc.isenabled,
+                                   disable=gc.disable, enable=gc.enable)
 holders.gc = types.SimpleNamespace(get_referrers=counted("get_referrers"), get_referents=gc.get_referents,
                                    is_tracked=gc.is_tracked)
 started = time.perf_counter()
