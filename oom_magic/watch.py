@@ -536,15 +536,18 @@ def _module_storages(module: Any, torch: ModuleType) -> dict[int, int]:
 
 
 class ScanCost:
-    """Predicts what a full snapshot (heap pass + holder walk) would cost now, from the last one.
+    """What the after-cell hook's work costs here, learnt as it runs, and the plan that keeps it in budget.
 
     The heap's size is read as ``sys.getallocatedblocks()`` (well under a millisecond even at
-    10 M objects), and the cost per block is learnt from each full scan measured here; before
-    the first, a figure measured on this project's CI machine stands in (150 ns per block).
+    10 M objects). Learnt from each one measured (recent ones weigh most): a full scan's cost per
+    block (before the first, 150 ns, measured on this project's CI machine), showing a widget,
+    and what a quick view costs past its walk's deadline (grouping and naming what it found).
     """
 
     def __init__(self, seconds_per_block: float = 150e-9) -> None:
         self.seconds_per_block = seconds_per_block
+        self.widget_seconds = 0.02
+        self.after_walk_seconds = 0.005
 
     @staticmethod
     def heap_blocks() -> int:
@@ -554,8 +557,29 @@ class ScanCost:
         """Seconds a full scan of a heap of ``blocks`` allocated blocks would take."""
         return blocks * self.seconds_per_block
 
-    def learn(self, seconds: float, blocks: int) -> None:
-        """Fold one measured full scan into the rate (recent scans weigh most)."""
-        if blocks > 0 and seconds > 0:
-            self.seconds_per_block = 0.5 * self.seconds_per_block + 0.5 * seconds / blocks
+    def quick_walk(self, blocks: int, left: float) -> float | None:
+        """None when a full scan and the widget fit in the ``left`` seconds; else the quick view's walk time."""
+        if self.predict(blocks) <= left - self.widget_seconds:
+            return None
+        return max(left - self.widget_seconds - self.after_walk_seconds, MIN_WALK_SECONDS)
 
+    def learn(self, seconds: float, blocks: int) -> None:
+        """Fold one measured full scan into the rate."""
+        if blocks > 0 and seconds > 0:
+            self.seconds_per_block = _blend(self.seconds_per_block, seconds / blocks)
+
+    def learn_widget(self, seconds: float) -> None:
+        """Fold in what showing one widget cost (models, comm messages, freezing the oldest)."""
+        self.widget_seconds = _blend(self.widget_seconds, seconds)
+
+    def learn_quick_view(self, seconds: float, walk: float) -> None:
+        """Fold in what a quick view cost past the ``walk`` seconds it was given."""
+        self.after_walk_seconds = _blend(self.after_walk_seconds, max(seconds - walk, 0.0))
+
+
+# The quick view's walk always gets this long, however little of the hook's budget is left.
+MIN_WALK_SECONDS = 0.01
+
+
+def _blend(old: float, new: float) -> float:
+    return 0.5 * old + 0.5 * new

@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["CellWatch", "MemoryWidget"]
 
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
-# The quick view's walk always gets this long, however little of the hook's budget is left.
-_MIN_WALK_SECONDS = 0.01
 MODES = ("changes", "always", "off")
 
 FreeAction = Callable[[str], "tuple[FreeReport, Snapshot]"]
@@ -172,9 +170,6 @@ class CellWatch:
         self.settings = settings
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
         self.scan_cost = ScanCost()  # decides between a full scan and the quick view after a cell
-        self.widget_seconds = 0.02  # what showing a widget costs, learnt from each one shown
-        self.after_walk_seconds = 0.005  # what a quick view costs past its walk's deadline, learnt likewise
-        self._hook_started: float | None = None
         self.enabled = True
         self.warned_static = False  # "no ipywidgets" is said once, not under every cell
         self.live: list[MemoryWidget] = []
@@ -229,11 +224,9 @@ class CellWatch:
             pass  # the user interrupted a scan: no widget for this cell, the hook stays on
         except Exception as exc:
             self._fail(exc)
-        finally:
-            self._hook_started = None  # a scan outside the hook (--pin) has the whole budget
 
     def _after(self, result: ExecutionResult) -> None:
-        self._hook_started = time.perf_counter()
+        started = time.perf_counter()
         info = getattr(result, "info", None)
         if info is not None and getattr(info, "silent", False):
             return
@@ -247,13 +240,12 @@ class CellWatch:
         wanted = change.changed or change.oom or mode == "always"
         if self.pinned is not None:
             if wanted:
-                self.pinned.show(self._report(change))
+                self.pinned.show(self._report(change, started=started))
         elif mode != "off" and wanted:
-            report = self._report(change)
+            report = self._report(change, started=started)
             shown = time.perf_counter()
             self.show(report)
-            # What showing a widget costs here (models, comm messages, freezing the oldest), for the budget.
-            self.widget_seconds = 0.5 * self.widget_seconds + 0.5 * (time.perf_counter() - shown)
+            self.scan_cost.learn_widget(time.perf_counter() - shown)
 
     def _fail(self, exc: BaseException) -> None:
         self.enabled = False
@@ -268,13 +260,15 @@ class CellWatch:
                 pass
 
     # -- widgets ---------------------------------------------------------------------------------
-    def _report(self, change: CellChange | None, device: str | None = None) -> CellReport:
+    def _report(self, change: CellChange | None, device: str | None = None, *,
+                started: float | None = None) -> CellReport:
         """Scan the device (only here: something changed) and pair the snapshot with the change.
 
         A full scan runs when its predicted cost fits ``OomMagics.hook_budget_ms``; otherwise the
         quick view (a walk from your variables, cut off at the budget), and the widget says so.
+        ``started``: when the hook began (its reading counts against the budget).
         """
-        snap = self._scan(change.device if change is not None else device, hook=True)
+        snap = self._budgeted_scan(change.device if change is not None else device, started)
         if change is not None:
             record = self.watcher.note_scan(snap, change.record)
             if record is not None:
@@ -332,27 +326,27 @@ class CellWatch:
 
     def _free_and_rescan(self, device: str) -> tuple[FreeReport, Snapshot]:
         freed = free_stale(device, shell=self.shell)
-        return freed, self._scan(device, hook=False)
+        return freed, self._full_scan(device, self.scan_cost.heap_blocks())
 
-    def _scan(self, device: str | None, *, hook: bool) -> Snapshot:
-        """A snapshot; under the after-cell budget (``hook``) the quick view when a full scan would not fit."""
-        roots = collect_roots(self.shell)
+    def _budgeted_scan(self, device: str | None, started: float | None) -> Snapshot:
+        """A full scan when it and the widget fit the after-cell budget, else the quick view, saying so."""
         blocks = self.scan_cost.heap_blocks()
         budget = max(int(getattr(self.settings, "hook_budget_ms", 50)), 0) / 1000
-        predicted = self.scan_cost.predict(blocks)
-        # The budget covers the whole hook: the reading so far, the scan, and showing the widget.
-        spent = time.perf_counter() - self._hook_started if self._hook_started is not None else 0.0
-        left = budget - spent - self.widget_seconds
-        if hook and predicted > left:
-            walk = max(left - self.after_walk_seconds, _MIN_WALK_SECONDS)
-            snap = snapshot(device, roots=roots, heap_scan=False, budget_seconds=walk)
-            # What the quick view costs besides its walk (grouping and naming what it found), for the budget.
-            self.after_walk_seconds = 0.5 * self.after_walk_seconds + 0.5 * max(snap.scan_seconds - walk, 0.0)
-            why = (f"heap scan skipped: a full scan of this heap ({blocks:,} allocated blocks) would take about "
-                   f"{predicted * 1000:,.0f} ms, more than the after-cell budget of {budget * 1000:,.0f} ms "
-                   "(OomMagics.hook_budget_ms) leaves once the reading and the widget are paid for")
-            return replace(snap, notes=(why,) + snap.notes)
-        snap = snapshot(device, roots=roots)
+        spent = time.perf_counter() - started if started is not None else 0.0
+        walk = self.scan_cost.quick_walk(blocks, budget - spent)
+        if walk is None:
+            return self._full_scan(device, blocks)
+        snap = snapshot(device, roots=collect_roots(self.shell), heap_scan=False, budget_seconds=walk)
+        self.scan_cost.learn_quick_view(snap.scan_seconds, walk)
+        why = (f"heap scan skipped: a full scan of this heap ({blocks:,} allocated blocks) would take about "
+               f"{self.scan_cost.predict(blocks) * 1000:,.0f} ms, more than the after-cell budget of "
+               f"{budget * 1000:,.0f} ms (OomMagics.hook_budget_ms) leaves once the reading and the widget "
+               "are paid for")
+        return replace(snap, notes=(why,) + snap.notes)
+
+    def _full_scan(self, device: str | None, blocks: int) -> Snapshot:
+        """The whole heap scanned; its cost per allocated block is learnt for the next decision."""
+        snap = snapshot(device, roots=collect_roots(self.shell))
         if snap.heap_scan and snap.objects_scanned:
             self.scan_cost.learn(snap.scan_seconds, blocks)
         return snap
