@@ -65,6 +65,22 @@ _Entry = tuple
 _BIG = 4096
 
 
+def _keyed_entries(entry: _Entry, pairs: Any) -> list[_Entry]:
+    """Queue entries for a dict's tracked keys and values, from ``(index, (key, value))`` pairs.
+
+    A value that is a plain list of untracked items (token ids) is not queued: nothing in it can
+    be or hold a tensor.
+    """
+    is_tracked = gc.is_tracked
+    entries: list[_Entry] = []
+    for i, (key, value) in pairs:
+        if is_tracked(key):
+            entries.append((key, entry, _KEYPOS, i, 0))
+        if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
+            entries.append((value, entry, _KEY, key, i))
+    return entries
+
+
 class _Walk:
     """Breadth-first walk from named roots; the first path reaching a storage wins.
 
@@ -113,13 +129,7 @@ class _Walk:
         if what is _DICT:
             items = enumerate(dict.items(obj))
             while chunk := list(islice(items, _BIG)):
-                level: list[_Entry] = []
-                for i, (key, value) in chunk:
-                    if gc.is_tracked(key):
-                        level.append((key, entry, _KEYPOS, i, 0))
-                    if gc.is_tracked(value):
-                        level.append((value, entry, _KEY, key, i))
-                yield level, []
+                yield _keyed_entries(entry, chunk), []
         else:
             values = iter(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
             start = 0
@@ -210,11 +220,7 @@ class _Walk:
                         if dict.__len__(obj) > _BIG:
                             big((entry, what))
                             continue
-                        for i, (key, value) in enumerate(list(dict.items(obj))):
-                            if is_tracked(key):
-                                push((key, entry, _KEYPOS, i, 0))
-                            if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
-                                push((value, entry, _KEY, key, i))
+                        following.extend(_keyed_entries(entry, enumerate(list(dict.items(obj)))))
                     elif what is _LIST or what is _TUPLE:
                         if what is _TUPLE and not is_tracked(obj):
                             continue
