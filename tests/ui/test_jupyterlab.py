@@ -1,12 +1,11 @@
 """quickstart.ipynb in real JupyterLab and headless Chromium: run all, see the widget, click its button.
 
-Screenshots go to test-output/ui/; the widget's one is copied to docs/img/quickstart-widget.png
-for the README.
+Screenshots go to test-output/ui/ only (a test never writes over a tracked file); the README's
+docs/img/quickstart-widget.png is refreshed from there by hand when the widget changes.
 """
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from .conftest import OUTPUT, REPO, JupyterLab
 pytestmark = pytest.mark.ui
 
 RUN_ALL_S = 240  # the notebook takes ~15 s in a kernel here; JupyterLab and Chromium share 2 cores
-DOCS_SCREENSHOT = REPO / "docs" / "img" / "quickstart-widget.png"
 
 # What every cell's prompt says, whether the kernel is busy, and each error output's text.
 _STATE_JS = """
@@ -150,6 +148,4 @@ def test_quickstart_runs_in_jupyterlab(browser_page, jupyter_lab: JupyterLab) ->
 
     shot = OUTPUT / "quickstart-widget.png"
     last.screenshot(path=str(shot))
-    DOCS_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(shot, DOCS_SCREENSHOT)
     _shot(page, "quickstart-after-click.png")
