@@ -32,6 +32,9 @@ class DeviceReading:
     peak_allocated: int | None
     processes: tuple[ProcessInfo, ...] = ()  # other processes on this device
     notes: tuple[str, ...] = ()
+    # cuda: which NVML query gave total/free/used: "v2" (nvidia-smi's figures), "v1" (deprecated:
+    # used includes the driver's reserved memory), "torch" (mem_get_info), None (no reading)
+    memory_query: str | None = None
 
     @property
     def cache(self) -> int | None:
@@ -211,6 +214,7 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
         allocated = reserved = peak = 0
         notes.append("CUDA is not initialized in this process: PyTorch holds nothing on it yet")
     name = total = free = used = process_used = None
+    memory_query: str | None = None
     others: tuple[ProcessInfo, ...] = ()
     status = nvml.status
     if status.available:
@@ -222,6 +226,10 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
                          + (f"; NVML failed: {failed}" if failed else ""))
         else:
             name, total, free, used = dev.name, dev.total, dev.free, dev.used
+            memory_query = dev.memory_query
+            if memory_query == "v1":
+                notes.append("NVML memory read with the v1 query (this driver has no v2): its 'used' "
+                             "includes the driver's reserved memory, so it reads above nvidia-smi's")
             if failed:
                 notes.append(f"NVML could not read all of cuda:{index} ({failed}): what it did not give shows n/a")
             described = describe_processes(nvml.processes(dev), self_pid=os.getpid())
@@ -248,7 +256,7 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
             except Exception as exc:
                 notes.append(f"torch.cuda.mem_get_info failed: {exc}")
     return DeviceReading(f"cuda:{index}", name, total, free, used, process_used, allocated,
-                         reserved, peak, others, tuple(notes))
+                         reserved, peak, others, tuple(notes), memory_query)
 
 
 def _torch_pci_bus_id(torch: Any, index: int) -> str | None:
