@@ -288,7 +288,8 @@ def _process_line(p, kernel: tuple[int, str | None, str] | None = None) -> str:
         return text + f" → another kernel of yours: shut it down (its notebook: Kernel ▸ Shut Down Kernel) or `kill {p.pid}`"
     if p.name:
         return text + f" → stop it if you do not need it: `kill {p.pid}`"
-    return text + f" → `nvidia-smi` shows it; `kill {p.pid}` if it is yours"
+    # Not described here (exited, or a host pid seen from a container): never advise killing it.
+    return text + " → not visible from this process (a host pid, in a container?): check `nvidia-smi` on the host"
 
 
 def cause_text(cause: Cause, device: str = "the device", target: Target | None = None) -> str:
