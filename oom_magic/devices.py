@@ -255,10 +255,14 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
             notes.append(order)
     else:
         notes.append(f"NVML unavailable: {status.reason}")
-        if initialized:
+        if initialized and not _has_primary_context(torch, index):
+            notes.append(f"no CUDA context on cuda:{index} yet: its free memory is not read "
+                         "(torch.cuda.mem_get_info would create one)")
+        elif initialized:
             try:
                 free_b, total_b = torch.cuda.mem_get_info(index)
                 free, total, used = int(free_b), int(total_b), int(total_b) - int(free_b)
+                memory_query = "torch"
                 name = torch.cuda.get_device_name(index)
             except Exception as exc:
                 notes.append(f"torch.cuda.mem_get_info failed: {exc}")
@@ -281,6 +285,21 @@ def _own_host_pid(
         return described, None
     marked = tuple(replace(p, is_self=True, note=NOTE_SELF_HOST_PID) if p.pid == pid else p for p in described)
     return marked, f"pid {pid} in NVML's list is this kernel: {NOTE_SELF_HOST_PID}"
+
+
+def _has_primary_context(torch: Any, index: int) -> bool:
+    """Whether device ``index`` already has a CUDA primary context (asking creates none).
+
+    CUDA initialized on cuda:0 says nothing about cuda:1, and mem_get_info(1) would create a
+    context there (~300-500 MiB). Without the check (a torch without it), assume none exists.
+    """
+    check = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
+    if check is None:
+        return False
+    try:
+        return bool(check(index))
+    except Exception:
+        return False
 
 
 def _torch_pci_bus_id(torch: Any, index: int) -> str | None:

@@ -97,3 +97,21 @@ def test_an_unverifiable_pid_gets_no_kill_advice():
     [cause] = [c for c in d.causes if c.kind == "other-processes"]
     text = cause_text(cause, "cuda:0")
     assert str(HOST_PID) in text and "kill" not in text and "on the host" in text
+
+
+def test_mem_get_info_only_on_a_device_whose_context_exists(monkeypatch):
+    # issue 14 point 6 (FAKE CUDA: no GPU here): CUDA initialized on cuda:0 only; without NVML the
+    # reading of cuda:1 must not call mem_get_info(1), which would create a context there.
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda i=0: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: (_ for _ in ()).throw(RuntimeError("fake")))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FAKE GPU")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: calls.append(i) or (10 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 0, raising=False)
+    no_nvml = Nvml(module=FakeNvml([], init_error=12).module)
+    assert read_device("cuda:0", no_nvml).free == 10 * GiB
+    cold = read_device("cuda:1", no_nvml)
+    assert calls == [0] and cold.free is None and any("no CUDA context on cuda:1" in n for n in cold.notes)
