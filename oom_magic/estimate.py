@@ -18,11 +18,12 @@ import math
 import os
 import pickletools
 import struct
+import sys
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .checkpoints import (
     CheckpointFiles,
@@ -34,6 +35,9 @@ from .checkpoints import (
     sniff_format,
 )
 from .errors import OomMagicError
+
+if TYPE_CHECKING:
+    from .hf_rules import HeldBytes
 
 __all__ = ["CheckpointEstimate", "estimate_checkpoint", "resolve_checkpoint"]
 
@@ -141,9 +145,13 @@ class CheckpointEstimate:
     stored_dtypes: tuple[tuple[str, int], ...]  # (dtype name, elements), most elements first
     declared_dtype: str | None  # config.json's "dtype"/"torch_dtype" beside the weights
     _sizes: _Sizes = field(repr=False, compare=False)
+    # The folder whose config.json transformers' rules are asked about (quantized / float16
+    # loads, see hf_rules); None: header arithmetic only.
+    _rules_dir: str | None = field(default=None, repr=False, compare=False)
 
     def bytes_for(
-        self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16"
+        self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16",
+        skip_modules: tuple[str, ...] | None = None,
     ) -> int:
         """Return the bytes the weights take once loaded as `dtype` (tensor data, no allocator slack).
 
@@ -166,8 +174,34 @@ class CheckpointEstimate:
         output, embed_out, score, classifier, qa_outputs: transformers keeps the head and tied
         weights unquantized) and not a norm. Rows are ``shape[0]``, nn.Linear's out_features
         (GPT-2's Conv1D stores [in, out]: its int8 scale count is off by in - out per layer).
+
+        Made with ``follow_transformers``, int8/nf4/fp4 and float16 follow transformers' own rules
+        instead (``held_by_rules``): which modules bitsandbytes replaces (fused MoE experts stay
+        16-bit; ``skip_modules`` = ``llm_int8_skip_modules``), which stay float32, and each
+        replaced weight in bitsandbytes' layout including its per-layer code table.
         """
-        return _bytes_for(self._sizes, _canonical_request(dtype), double_quant, unquantized_dtype)
+        canonical = _canonical_request(dtype)
+        held = self.held_by_rules(canonical, double_quant=double_quant, unquantized_dtype=unquantized_dtype,
+                                  skip_modules=skip_modules)
+        if held is not None:
+            return held.bytes
+        return _bytes_for(self._sizes, canonical, double_quant, unquantized_dtype)
+
+    def held_by_rules(self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16",
+                      skip_modules: tuple[str, ...] | None = None) -> HeldBytes | None:
+        """What transformers' own rules say a quantized or float16 load holds (see hf_rules), or None.
+
+        None when this estimate was made without them (``follow_transformers``), the load is not
+        quantized or float16, or the model cannot be built on the meta device.
+        """
+        canonical = _canonical_request(dtype)
+        if self._rules_dir is None or (canonical not in _QUANTIZED and canonical != "float16"):
+            return None
+        from .hf_rules import held_bytes
+
+        rest = _canonical_request(unquantized_dtype)
+        return held_bytes(self._rules_dir, canonical, unquantized_dtype=rest, double_quant=double_quant,
+                          skip_modules=skip_modules)
 
     def __repr__(self) -> str:
         return (
@@ -178,17 +212,24 @@ class CheckpointEstimate:
 
 
 def estimate_checkpoint(
-    path_or_id: str | os.PathLike[str], dtype: str | None = None
+    path_or_id: str | os.PathLike[str], dtype: str | None = None, *, follow_transformers: bool | None = None
 ) -> CheckpointEstimate:
     """Size a checkpoint (file, folder, or cached hub id) from its headers; `dtype` picks `bytes`.
+
+    `follow_transformers`: size quantized and float16 loads by transformers' own rules (fused MoE
+    experts stay 16-bit under bitsandbytes, ``_keep_in_fp32_modules`` stay float32; see hf_rules)
+    on a meta model built when such a figure is asked for. None (default): only when torch and
+    transformers are already imported, so that this never imports them on its own.
 
     `dtype` is None (as stored), 'auto' (config.json's dtype, else as stored), a float dtype
     ('bfloat16', 'fp16', 'torch.float32', ...) or a bitsandbytes load ('int8', 'nf4'); see
     CheckpointEstimate.bytes_for. Raises OomMagicError, one line naming the file, for anything
     that is missing, malformed or not a checkpoint.
     """
+    if follow_transformers is None:
+        follow_transformers = "torch" in sys.modules and "transformers" in sys.modules
     try:
-        return _estimate(path_or_id, dtype)
+        return _estimate(path_or_id, dtype, follow_transformers)
     except OomMagicError as exc:
         message = str(exc)
         if one_line(message, limit=1000) != message:  # a file name with a newline in it, say
@@ -196,8 +237,9 @@ def estimate_checkpoint(
         raise
 
 
-def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None) -> CheckpointEstimate:
+def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_transformers: bool) -> CheckpointEstimate:
     found = find_checkpoint_files(resolve_checkpoint(path_or_id))
+    rules_dir = str(found.config.parent) if follow_transformers and found.config is not None else None
     declared = _declared_dtype(found)
     request = None if dtype is None else str(dtype)
     if request is not None and request.strip().lower() == "auto":
@@ -206,18 +248,20 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None) -> Checkpoi
     stored = _read_stored(found, declared)
     sizes = _summarize(stored)
     stored_bytes = sum(item.nbytes for item in stored)
-    return CheckpointEstimate(
+    estimate = CheckpointEstimate(
         path=str(found.path),
         format=found.format,
         files=tuple(str(p) for p in found.files),
         parameters=sum(item.elements for item in stored),
         stored_bytes=stored_bytes,
         dtype=canonical,
-        bytes=stored_bytes if canonical is None else _bytes_for(sizes, canonical, False, "bfloat16"),
+        bytes=stored_bytes,
         stored_dtypes=_dtype_census(stored),
         declared_dtype=declared,
         _sizes=sizes,
+        _rules_dir=rules_dir,
     )
+    return estimate if canonical is None else replace(estimate, bytes=estimate.bytes_for(canonical))
 
 
 # --------------------------------------------------------------------------- dtype arithmetic

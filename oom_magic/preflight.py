@@ -70,6 +70,7 @@ class LoadCall:
     moved_to: str | None = None  # .to(device) / .cuda() applied to the result
     cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
     notes: tuple[str, ...] = ()
+    skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,14 @@ class _Quant:
     kind: str | None  # 'int8' | 'nf4' | 'fp4' | None (not bitsandbytes)
     double_quant: bool
     type_name: str
+    skip_modules: tuple[str, ...] | None = None  # llm_int8_skip_modules: transformers' modules_to_not_convert
+
+
+def _skip_modules(value: object) -> tuple[str, ...] | None:
+    """llm_int8_skip_modules as given (a list of module names), else None (transformers' defaults)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -396,7 +405,8 @@ def _quant_from_object(obj: object) -> _Quant | None:
         four = bool(attrs.get("_load_in_4bit", attrs.get("load_in_4bit", False)))
         eight = bool(attrs.get("_load_in_8bit", attrs.get("load_in_8bit", False)))
         kind = ("fp4" if attrs.get("bnb_4bit_quant_type") == "fp4" else "nf4") if four else "int8" if eight else None
-        return _Quant(kind, bool(attrs.get("bnb_4bit_use_double_quant", False)), name)
+        return _Quant(kind, bool(attrs.get("bnb_4bit_use_double_quant", False)), name,
+                      _skip_modules(attrs.get("llm_int8_skip_modules")))
     return _Quant(None, False, name)
 
 
@@ -599,7 +609,8 @@ class _Resolver:
             four, eight = kwargs.get("load_in_4bit") is True, kwargs.get("load_in_8bit") is True
             # transformers' default bnb_4bit_quant_type is "fp4" (same size as nf4)
             kind = ("nf4" if kwargs.get("bnb_4bit_quant_type") == "nf4" else "fp4") if four else "int8" if eight else None
-            return _Quant(kind, kwargs.get("bnb_4bit_use_double_quant") is True, last)
+            return _Quant(kind, kwargs.get("bnb_4bit_use_double_quant") is True, last,
+                          _skip_modules(kwargs.get("llm_int8_skip_modules")))
         if last.endswith("Config") and ("Quant" in last or last.startswith(("GPTQ", "Awq", "Hqq", "Quanto"))):
             return _Quant(None, False, last)
         if func in ("builtins.dict", "dict") and not args:
@@ -851,6 +862,7 @@ def _describe(kind: str, node: ast.Call, stmt: ast.stmt, resolver: _Resolver, pa
     dtype: str | None = None
     quant: str | None = None
     double = False
+    skip: tuple[str, ...] | None = None
     device: str | None = None
     max_memory: tuple[tuple[int | str, int], ...] | None = None
     offload: str | None = None
@@ -865,7 +877,7 @@ def _describe(kind: str, node: ast.Call, stmt: ast.stmt, resolver: _Resolver, pa
             dtype = value
         q = resolver.value(_arg(node, None, "quantization_config"))
         if isinstance(q, _Quant):
-            quant, double = q.kind or q.type_name, q.double_quant
+            quant, double, skip = q.kind or q.type_name, q.double_quant, q.skip_modules
         elif isinstance(q, _Unknown) and _arg(node, None, "quantization_config") is not None:
             notes.append(f"quantization_config: {q.reason}")
         if resolver.value(_arg(node, None, "load_in_8bit")) is True:
@@ -894,7 +906,7 @@ def _describe(kind: str, node: ast.Call, stmt: ast.stmt, resolver: _Resolver, pa
         target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
-        moved_to=moved, cast_to=cast, notes=tuple(notes),
+        moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip,
     )
 
 
@@ -1171,7 +1183,9 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     if call.checkpoint is None:
         return _unknown(call, where, f"cannot size the checkpoint: {call.unresolved}"), _lints(call, None, None, None)
     try:
-        estimate = _estimate(call.checkpoint)
+        # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
+        # transformers' own rules (a meta model, built only when such a size is asked for).
+        estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained")
     except OomMagicError as exc:
         lints = _lints(call, None, None, None)
         return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
@@ -1265,7 +1279,9 @@ def _need(call: LoadCall, estimate: Any) -> tuple[int, str | None]:
         dtype = call.cast_to
     rest = dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
     if call.quantization in ("int8", "nf4", "fp4"):
-        return estimate.bytes_for(call.quantization, double_quant=call.double_quant, unquantized_dtype=rest), call.quantization
+        kwargs = {"skip_modules": call.skip_modules} if call.skip_modules is not None else {}
+        return (estimate.bytes_for(call.quantization, double_quant=call.double_quant, unquantized_dtype=rest, **kwargs),
+                call.quantization)
     if dtype in ("float32", "float16", "bfloat16", "float64"):
         return estimate.bytes_for(dtype), dtype
     return estimate.stored_bytes, None
@@ -1341,12 +1357,12 @@ class _PipelineEstimate:
         return sum(p.bytes_for(dtype, **kwargs) for p in self.parts)
 
 
-def _estimate(checkpoint: str) -> Any:
+def _estimate(checkpoint: str, follow_transformers: bool = False) -> Any:
     """estimate_checkpoint, or for a diffusers pipeline folder the sum over its weight folders."""
     from .estimate import estimate_checkpoint, resolve_checkpoint
 
     try:
-        return estimate_checkpoint(checkpoint)
+        return estimate_checkpoint(checkpoint, follow_transformers=follow_transformers)
     except OomMagicError as first:
         try:
             folder = resolve_checkpoint(checkpoint)
