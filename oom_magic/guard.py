@@ -811,7 +811,7 @@ class GuardedLoad:
             rehearsal = replace(rehearsal, reason="cuda-not-initialized")
         self.rehearsal = rehearsal
         if rehearsal.reason is not None:  # on cpu that is expected; on a GPU it is a warning
-            self._say(rehearsal_line(rehearsal), always=rehearsal.reason != "not-cuda")
+            self._say(rehearsal_line(rehearsal, before=True), always=rehearsal.reason != "not-cuda")
 
     def _cuda_ready(self) -> bool:
         """Whether the user's torch has CUDA initialized (asking creates no context)."""

@@ -97,6 +97,9 @@ class FitCheck:
     # --target: checked against that GPU's usable memory (free = usable, context already in it), not this device
     target: Target | None = None
     offload: OffloadCheck | None = None  # the advised offload plan's CPU and disk shares checked here
+    # --target: the same load checked against this machine too (a 25 GiB load must not run on a
+    # 24 GiB machine because an 80 GiB target would hold it); None without --target
+    local: FitCheck | None = None
 
     @property
     def budget(self) -> int | None:
@@ -145,8 +148,9 @@ class Preflight:
 
     @property
     def will_not_fit(self) -> tuple[FitCheck, ...]:
-        """The loads that will not fit where they are going."""
-        return tuple(c for c in self.checks if c.verdict == "will-not-fit")
+        """The loads that will not fit where they are going (under --target: there, or here)."""
+        return tuple(c for c in self.checks if c.verdict == "will-not-fit"
+                     or (c.local is not None and c.local.verdict == "will-not-fit"))
 
     @property
     def fits(self) -> bool | None:
@@ -1126,10 +1130,15 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
     if not calls:
         notes.append("no from_pretrained / torch.load / load_file call found: nothing to size")
     budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, rehearsed)
+    # --target: the local fit check always applies too (the cell runs here, whatever the target).
+    here = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml) if rehearsed else None
     checks: list[FitCheck] = []
     lints: list[Lint] = []
     for call in calls:
         check, call_lints = _check_call(call, device, budgets)
+        if here is not None and check.target is not None:
+            local, _ = _check_call(call, device, here)
+            check = replace(check, local=local)
         checks.append(check)
         lints += call_lints
         if rehearsed is not None and check.target is not None and not check.device.startswith(("cuda", "auto")):
@@ -1403,7 +1412,8 @@ def _lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None, load_dtyp
 def _torch_load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None) -> list[Lint]:
     found: list[Lint] = []
     name = Path(call.checkpoint).name if call.checkpoint else "the checkpoint"
-    if not call.map_location_given:
+    saved_on_cpu = keys is not None and bool(keys.locations) and all(loc == "cpu" for loc in keys.locations)
+    if not call.map_location_given and not saved_on_cpu:  # a cpu-saved file comes back to the cpu anyway
         saved = ", ".join(keys.locations) if keys is not None and keys.locations else None
         where = f" (this file was saved from {saved})" if saved else ""
         found.append(Lint("map-location", call.line,
