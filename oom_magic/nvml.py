@@ -355,6 +355,12 @@ class Nvml:
         memory = self.query("nvmlDeviceGetMemoryInfo", handle)
         return memory, None if memory is None else "v1"
 
+    def handle(self, device: NvmlDevice) -> Any:
+        """pynvml's handle for a device record (a MIG instance's own), checked against its UUID; None if gone."""
+        if not self.status.available:
+            return None
+        return self._handle_for(device)
+
     def _handle_for(self, device: NvmlDevice) -> Any:
         """A fresh handle for a device record, checked against its UUID (devices can change)."""
         if device.is_mig:
