@@ -17,6 +17,7 @@ import json
 import math
 import os
 import pickletools
+import re
 import struct
 import sys
 import zipfile
@@ -104,6 +105,8 @@ _MAX_ELEMENTS = 1 << 64
 
 # Module names bitsandbytes leaves alone (see bytes_for); "embed", "norm" and "ln*" match as parts.
 _EMBEDDING_MODULES = frozenset({"wte", "wpe", "shared", "lm_head"})
+# A per-expert weight of a MoE layer ("...block_sparse_moe.experts.3.w1.weight", "mlp.experts.0.up_proj...").
+_EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
 _HEAD_MODULES = frozenset({"lm_head", "output", "embed_out", "score", "classifier", "qa_outputs"})
 
 
@@ -115,6 +118,7 @@ class _Stored(NamedTuple):
     nbytes: int
     # (elements, rows) of each Linear weight it holds; empty when bitsandbytes would leave it as is
     linear: tuple[tuple[int, int], ...] = ()
+    expert: bool = False  # one expert's weight of a MoE layer (transformers 5 fuses them on load)
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class _Sizes:
     linear_packed_bytes: int  # sum of ceil(n / 2): two 4-bit codes per byte
     linear_blocks: int  # sum of ceil(n / 64)
     linear_nested_blocks: int  # sum of ceil(ceil(n / 64) / 256)
+    expert_elements: int = 0  # floating elements of per-expert MoE weights (fused on load)
+    expert_bytes: int = 0  # the same, as stored
 
 
 @dataclass(frozen=True)
@@ -320,12 +326,15 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
 
 def _summarize(stored: Iterable[_Stored]) -> _Sizes:
     """Add up what bytes_for needs from the stored tensors."""
-    fixed = floating = elements = rows = tensors = packed = blocks = nested = 0
+    fixed = floating = elements = rows = tensors = packed = blocks = nested = expert_elements = expert_bytes = 0
     for item in stored:
         if not _is_floating(item.dtype):
             fixed += item.nbytes
             continue
         floating += item.elements
+        if item.expert:
+            expert_elements += item.elements
+            expert_bytes += item.nbytes
         for n, r in item.linear:
             elements += n
             rows += r
@@ -334,7 +343,7 @@ def _summarize(stored: Iterable[_Stored]) -> _Sizes:
             nblocks = -(-n // _NF4_BLOCK)
             blocks += nblocks
             nested += -(-nblocks // _NESTED_BLOCK)
-    return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested)
+    return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested, expert_elements, expert_bytes)
 
 
 def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
@@ -348,7 +357,7 @@ def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
 def _tensor(dtype: str, name: str, shape: tuple[int, ...], elements: int, nbytes: int) -> _Stored:
     """A named stored tensor, marked quantizable when it looks like a Linear weight."""
     linear = ((elements, shape[0]),) if _is_floating(dtype) and is_linear_weight(name, shape) else ()
-    return _Stored(dtype, elements, nbytes, linear)
+    return _Stored(dtype, elements, nbytes, linear, _is_floating(dtype) and _EXPERT.search(name) is not None)
 
 
 # --------------------------------------------------------------------------- dispatch

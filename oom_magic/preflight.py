@@ -100,6 +100,9 @@ class FitCheck:
     # --target: the same load checked against this machine too (a 25 GiB load must not run on a
     # 24 GiB machine because an 80 GiB target would hold it); None without --target
     local: FitCheck | None = None
+    # cpu loads: RAM at the load's peak when above `need` (a cast or MoE fusion copies beside the
+    # file pages it reads; see load_peak); None when the peak is the weights themselves
+    ram_peak: int | None = None
 
     @property
     def budget(self) -> int | None:
@@ -115,7 +118,7 @@ class FitCheck:
         """Budget − need: what stays free after the load (negative: the shortfall)."""
         if self.need is None or self.budget is None:
             return None
-        return self.budget - self.need
+        return self.budget - max(self.need, self.ram_peak or 0)
 
 
 @dataclass(frozen=True)
@@ -1230,8 +1233,10 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
                 process_cap=budgets.limits.get(place), target=budgets.target)
     if free is None:
         return FitCheck(verdict="unknown", reason=why, **base), lints  # type: ignore[arg-type]
+    peak = _ram_peak(call, estimate, dtype) if place == "cpu" else None
+    base["ram_peak"] = peak if peak is not None and peak > need else None
     budget = free - context - headroom
-    if need <= budget:
+    if max(need, peak or 0) <= budget:
         return FitCheck(verdict="fits", reason=None, **base), lints  # type: ignore[arg-type]
     model_part = None
     if keys is not None and keys.optimizer_keys():
@@ -1240,18 +1245,39 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
                           device_budget=budget, ram_budget=budgets.ram() if place != "cpu" else budget,
                           disk_budget=budgets.disk(), model_part=model_part,
                           offload_folder=call.offload_folder or "offload")
-    options, offload = _check_offload_plan(options)
+    options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return FitCheck(verdict="will-not-fit", reason=None, options=options, offload=offload,
                     **base), lints  # type: ignore[arg-type]
 
 
-def _check_offload_plan(options: tuple[FitOption, ...]) -> tuple[tuple[FitOption, ...], OffloadCheck | None]:
-    """Check the advised disk-offload plan's RAM and disk shares here; an option that falls short does not fit."""
+def _ram_peak(call: LoadCall, estimate: Any, dtype: str | None) -> int | None:
+    """RAM a from_pretrained onto the cpu takes at its peak (load_peak), or None when not known."""
+    if call.kind != "from_pretrained":
+        return None
+    from .load_peak import load_peak
+
+    peak = load_peak(estimate, dtype)
+    return None if peak is None else peak.ram_need
+
+
+def _peak_ratio(call: LoadCall, estimate: Any, dtype: str | None) -> float:
+    """RAM at the load's peak per byte of weights kept in RAM (1.0 when no copy is made)."""
+    peak = _ram_peak(call, estimate, dtype)
+    loaded = estimate.bytes_for(dtype) if dtype in _FLOAT_DTYPES.values() else estimate.stored_bytes
+    return max(peak / loaded, 1.0) if peak and loaded else 1.0
+
+
+def _check_offload_plan(options: tuple[FitOption, ...],
+                        peak_ratio: float = 1.0) -> tuple[tuple[FitOption, ...], OffloadCheck | None]:
+    """Check the advised disk-offload plan's RAM and disk shares here; an option that falls short does not fit.
+
+    The RAM share counts the load's transient peak (``peak_ratio``: a cast copies beside the file).
+    """
     plan = next((o for o in options if o.kind == "offload-folder"), None)
     if plan is None:
         return options, None
     try:
-        offload = check_offload(plan.cpu_bytes, plan.disk_bytes, plan.offload_folder or "offload")
+        offload = check_offload(int(plan.cpu_bytes * peak_ratio), plan.disk_bytes, plan.offload_folder or "offload")
     except OomMagicError:
         return options, None
     if offload.ok:
@@ -1336,7 +1362,7 @@ def _check_auto(call: LoadCall, estimate: Any, need: int, dtype: str | None, bud
         options = fit_options(estimate, device=place, need=need, dtype=dtype,
                               device_budget=dict(split).get(place, 0), ram_budget=ram, disk_budget=disk,
                               offload_folder=call.offload_folder or "offload")
-        options, offload = _check_offload_plan(options)
+        options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return FitCheck(call=call, device="auto", verdict=verdict, reason=None, need=need, dtype=dtype, free=free,
                     context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                     declared_dtype=estimate.declared_dtype, split=tuple(split), options=options,

@@ -194,11 +194,14 @@ def _check_lines(check: FitCheck) -> list[str]:
         if check.context:
             head += f" − {format_bytes(check.context)} CUDA context (estimate; not initialized yet)"
         head += f" − {format_bytes(check.headroom)} headroom = {format_bytes(check.budget)}"
+    if check.ram_peak is not None:  # the load's own peak, above the weights it keeps
+        head += f" (while loading, RAM peaks at {format_bytes(check.ram_peak)}: copies beside the file pages read)"
+    needs = format_bytes(max(check.need or 0, check.ram_peak or 0))
     if check.verdict == "fits":
         lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare")
     else:
         short = -(check.margin or 0)
-        lines.append(f"{head} → WILL NOT FIT: needs {format_bytes(check.need)}, {format_bytes(short)} short")
+        lines.append(f"{head} → WILL NOT FIT: needs {needs}, {format_bytes(short)} short")
     if check.options:
         lines.append("  ways to fit (sizes for this model on this machine):")
         place = check.device if check.device != "auto" else next(
