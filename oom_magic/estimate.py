@@ -107,6 +107,7 @@ _MAX_ELEMENTS = 1 << 64
 _EMBEDDING_MODULES = frozenset({"wte", "wpe", "shared", "lm_head"})
 # A per-expert weight of a MoE layer ("...block_sparse_moe.experts.3.w1.weight", "mlp.experts.0.up_proj...").
 _EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers?|h|blocks?)\.(\d+)\.")
 _HEAD_MODULES = frozenset({"lm_head", "output", "embed_out", "score", "classifier", "qa_outputs"})
 
 
@@ -119,6 +120,7 @@ class _Stored(NamedTuple):
     # (elements, rows) of each Linear weight it holds; empty when bitsandbytes would leave it as is
     linear: tuple[tuple[int, int], ...] = ()
     expert: bool = False  # one expert's weight of a MoE layer (transformers 5 fuses them on load)
+    layer: int | None = None  # the "layers.N" index in its name, for expert weights
 
 
 @dataclass(frozen=True)
@@ -135,6 +137,7 @@ class _Sizes:
     linear_nested_blocks: int  # sum of ceil(ceil(n / 64) / 256)
     expert_elements: int = 0  # floating elements of per-expert MoE weights (fused on load)
     expert_bytes: int = 0  # the same, as stored
+    expert_layers: int = 0  # how many layers hold expert weights
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,7 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
 def _summarize(stored: Iterable[_Stored]) -> _Sizes:
     """Add up what bytes_for needs from the stored tensors."""
     fixed = floating = elements = rows = tensors = packed = blocks = nested = expert_elements = expert_bytes = 0
+    layers: set[int | None] = set()
     for item in stored:
         if not _is_floating(item.dtype):
             fixed += item.nbytes
@@ -335,6 +339,7 @@ def _summarize(stored: Iterable[_Stored]) -> _Sizes:
         if item.expert:
             expert_elements += item.elements
             expert_bytes += item.nbytes
+            layers.add(item.layer)
         for n, r in item.linear:
             elements += n
             rows += r
@@ -343,7 +348,8 @@ def _summarize(stored: Iterable[_Stored]) -> _Sizes:
             nblocks = -(-n // _NF4_BLOCK)
             blocks += nblocks
             nested += -(-nblocks // _NESTED_BLOCK)
-    return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested, expert_elements, expert_bytes)
+    return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested, expert_elements, expert_bytes,
+                  len(layers))
 
 
 def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
@@ -357,7 +363,9 @@ def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
 def _tensor(dtype: str, name: str, shape: tuple[int, ...], elements: int, nbytes: int) -> _Stored:
     """A named stored tensor, marked quantizable when it looks like a Linear weight."""
     linear = ((elements, shape[0]),) if _is_floating(dtype) and is_linear_weight(name, shape) else ()
-    return _Stored(dtype, elements, nbytes, linear, _is_floating(dtype) and _EXPERT.search(name) is not None)
+    expert = _is_floating(dtype) and _EXPERT.search(name) is not None
+    layer = _LAYER.search(name) if expert else None
+    return _Stored(dtype, elements, nbytes, linear, expert, int(layer.group(1)) if layer else None)
 
 
 # --------------------------------------------------------------------------- dispatch

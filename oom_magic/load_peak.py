@@ -6,7 +6,11 @@ that has to change becomes new memory *beside* the file pages read to make it: a
 (bf16 checkpoint loaded as float32) or a transformers-5 MoE fusion (per-expert weights stacked into
 3-D parameters; cast first, when both, so the cast copies live until the stack is built).
 
-    peak ≈ new bytes (cast or fused, at the load dtype) + their file pages + cast expert copies
+    peak ≈ new bytes (cast or fused, at the load dtype) + their file pages + transient copies
+
+Transient copies: cast experts all live until stacked; same-dtype experts are stacked per layer
+into gate and up halves that are then concatenated (transformers' MergeModulelist +
+Concatenate), so one layer's gate and up (two of each expert's three matrices) exist twice.
 
 Measured against real loads on this cpu (transformers 5.24, safetensors, benchmarks/ESTIMATES.md):
 a Llama saved bf16 and loaded as float32 peaks at 1.5x its loaded bytes; a Mixtral in bf16 holds
@@ -67,5 +71,10 @@ def load_peak(estimate: Any, dtype: str | None) -> LoadPeak | None:
     stacked = 0 if experts_cast else (sizes.expert_bytes if dtype is None else sizes.expert_elements * width)
     new_bytes = cast_elements * width + stacked
     file_bytes = cast_stored + (0 if experts_cast else sizes.expert_bytes)
-    transient = sizes.expert_elements * width if experts_cast else 0
+    if experts_cast:
+        transient = sizes.expert_elements * width
+    elif sizes.expert_layers:  # one layer's gate + up stacks, before they are concatenated
+        transient = stacked * 2 // (3 * sizes.expert_layers)
+    else:
+        transient = 0
     return LoadPeak(loaded, new_bytes, file_bytes, transient, max(loaded - new_bytes, 0))

@@ -78,7 +78,7 @@ def test_moe_load_keeps_its_fused_experts_beside_the_file(models):
     predicted = load_peak(est, "bfloat16")
     assert predicted is not None and predicted.new_bytes == est._sizes.expert_bytes > 0
     measured = _measure(models["mixtral"], "bfloat16")
-    assert 0.8 <= measured["after"] / predicted.peak <= 1.25, (measured, predicted)
+    assert 0.85 <= measured["after"] / predicted.peak <= 1.2, (measured, predicted)
 
 
 def test_preflight_ram_need_includes_the_load_peak(models):
