@@ -14,7 +14,7 @@ from ._torch import cuda_initialized, loaded_torch
 from .errors import OomMagicError
 from .nvml import (Nvml, NvmlDevice, default_nvml, format_pci_bus_id, nvml_device_for_torch, ordering_note,
                    visible_nvml_devices)
-from .processes import NOTE_SELF_HOST_PID, ProcessInfo, describe_processes, recognise_self
+from .processes import NOTE_HOST_PID, NOTE_SELF_HOST_PID, ProcessInfo, describe_processes, recognise_self
 
 
 @dataclass(frozen=True)
@@ -283,7 +283,9 @@ def _own_host_pid(
     pid = recognise_self(((p.pid, p.used_bytes) for p in described), reserved, reserved + _CONTEXT_ALLOWANCE)
     if pid is None:
         return described, None
-    marked = tuple(replace(p, is_self=True, note=NOTE_SELF_HOST_PID) if p.pid == pid else p for p in described)
+    # NVML speaks in host pids here: a pid we cannot see is another container's, not an exited one.
+    marked = tuple(replace(p, is_self=True, note=NOTE_SELF_HOST_PID) if p.pid == pid
+                   else replace(p, note=NOTE_HOST_PID) if p.note == "process has exited" else p for p in described)
     return marked, f"pid {pid} in NVML's list is this kernel: {NOTE_SELF_HOST_PID}"
 
 

@@ -18,6 +18,7 @@ __all__ = ["ProcessInfo", "describe_processes", "looks_like_jupyter_kernel", "re
 _NOTE_ACCESS_DENIED = "access denied"
 _NOTE_EXITED = "process has exited"
 _NOTE_OTHER_USER = "another user's process"
+NOTE_HOST_PID = "a host pid, not visible from this container"
 NOTE_SELF_HOST_PID = "this kernel, listed by its host pid (this container has its own pid namespace)"
 
 # A kernel's connection file: "kernel-<id>.json", passed as "-f <path>", "--f=<path>" or bare.

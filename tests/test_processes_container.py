@@ -25,15 +25,15 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-def _absent_pid() -> int:
+def _absent_pid(pid: int = 4123456) -> int:
     """A pid that no process in this pid namespace has (as a host pid looks from a container)."""
-    pid = 4123456
     while os.path.exists(f"/proc/{pid}"):
         pid += 1
     return pid
 
 
 HOST_PID = _absent_pid()
+OTHER_HOST_PID = _absent_pid(HOST_PID + 7)
 
 
 @pytest.fixture
@@ -57,12 +57,15 @@ def cuda_holding_20gib(monkeypatch):
 
 
 def test_reading_recognises_this_kernel_under_its_host_pid(cuda_holding_20gib, other_process):
-    gpu = FakeGpu(total=80 * GiB, used=33 * GiB,
-                  processes=[(HOST_PID, 20 * GiB + 500 * MiB), (other_process.pid, 12 * GiB)])
+    gpu = FakeGpu(total=80 * GiB, used=35 * GiB,
+                  processes=[(HOST_PID, 20 * GiB + 500 * MiB), (other_process.pid, 12 * GiB),
+                             (OTHER_HOST_PID, 2 * GiB)])
     reading = read_device("cuda:0", Nvml(module=FakeNvml([gpu]).module))
     assert reading.own_listed_pid == HOST_PID
     assert reading.process_used == 20 * GiB + 500 * MiB and reading.context == 500 * MiB
-    assert [p.pid for p in reading.processes] == [other_process.pid]  # ours is not "another process"
+    # ours is not "another process"; the other host pid is said to be one, not an exited process
+    assert [(p.pid, p.note) for p in reading.processes] == [
+        (other_process.pid, None), (OTHER_HOST_PID, "a host pid, not visible from this container")]
     assert any(f"pid {HOST_PID}" in n and "this kernel" in n for n in reading.notes)
 
 
