@@ -138,6 +138,7 @@ class _Sizes:
     expert_elements: int = 0  # floating elements of per-expert MoE weights (fused on load)
     expert_bytes: int = 0  # the same, as stored
     expert_layers: int = 0  # how many layers hold expert weights
+    stored_tensors: int = 0  # tensors (torch: storages) in the checkpoint
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,10 @@ class CheckpointEstimate:
         canonical = _canonical_request(dtype)
         if self._rules_dir is None or (canonical not in _QUANTIZED and canonical != "float16"):
             return None
-        from .hf_rules import held_bytes
+        from .hf_rules import MAX_TENSORS, held_bytes
+
+        if self._sizes.stored_tensors > MAX_TENSORS:
+            return None  # a model this size is not built on meta before the load: header arithmetic answers
 
         rest = _canonical_request(unquantized_dtype)
         return held_bytes(self._rules_dir, canonical, unquantized_dtype=rest, double_quant=double_quant,
@@ -331,7 +335,9 @@ def _summarize(stored: Iterable[_Stored]) -> _Sizes:
     """Add up what bytes_for needs from the stored tensors."""
     fixed = floating = elements = rows = tensors = packed = blocks = nested = expert_elements = expert_bytes = 0
     layers: set[int | None] = set()
+    count = 0
     for item in stored:
+        count += 1
         if not _is_floating(item.dtype):
             fixed += item.nbytes
             continue
@@ -349,7 +355,7 @@ def _summarize(stored: Iterable[_Stored]) -> _Sizes:
             blocks += nblocks
             nested += -(-nblocks // _NESTED_BLOCK)
     return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested, expert_elements, expert_bytes,
-                  len(layers))
+                  len(layers), count)
 
 
 def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:

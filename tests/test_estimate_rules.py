@@ -128,3 +128,12 @@ def test_a_from_pretrained_preflight_sizes_a_quantized_moe_by_transformers_rules
                              free_bytes=1 << 30, headroom="1MiB")
     (check,) = result.checks
     assert check.dtype == "nf4" and check.need == held_as_bitsandbytes(path, "nf4")
+
+
+def test_huge_models_are_not_built_on_meta(saved: dict[str, Path], monkeypatch) -> None:
+    import oom_magic.hf_rules as hf_rules
+
+    monkeypatch.setattr(hf_rules, "MAX_TENSORS", 10)  # this Mixtral has more: it counts as huge
+    est = estimate_checkpoint(saved["mixtral"], follow_transformers=True)
+    assert est.held_by_rules("nf4") is None
+    assert est.bytes_for("nf4") == estimate_checkpoint(saved["mixtral"], follow_transformers=False).bytes_for("nf4")
