@@ -8,7 +8,9 @@ Runs, each in its own process so no heap or import leaks into another:
 - after-cell hook (bench_hook.py): 1,000 trivial cells in a real IPython shell, with and without;
 - kernel anchor (here): ipyexperiments' CellLogger beside our extension in a real kernel (nbclient);
 - estimate (bench_estimate.py): ``estimate_checkpoint`` vs accelerate's meta-device estimate;
-- cleanup (bench_cleanup.py): bytes ``%freeall`` gives back on the stale-memory traps vs ``gc.collect()``.
+- cleanup (bench_cleanup.py): bytes ``%freeall`` gives back on the stale-memory traps vs ``gc.collect()``;
+- truth (bench_estimate_truth.py): the estimator vs what loads really hold (bf16/fp16/int8/nf4 on six
+  architectures) and load_peak's predicted vs measured host peak; written to benchmarks/ESTIMATES.md.
 
 Then prints one table (ratios, absolute times beside) and writes benchmarks/RESULTS.md (with the
 machine's description), benchmarks/scaling.png and benchmarks/results.json. Timings are printed
@@ -441,6 +443,8 @@ def results_markdown(results: dict[str, Any], elapsed: float) -> str:
     lines += kernel_and_hook_section(results)
     lines += estimate_section(results.get("estimate", {}))
     lines += cleanup_section(results.get("cleanup", {}))
+    if "truth" in results:
+        lines += ["## Estimates vs really held", "", "bench_estimate_truth.py: see ESTIMATES.md.", ""]
     lines += ["## Raw figures", "", "Every timing (all repetitions) is in `benchmarks/results.json`.", ""]
     return "\n".join(lines)
 
@@ -627,7 +631,7 @@ def cleanup_section(clean: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small heaps only, fewer repetitions (a smoke test)")
-    parser.add_argument("--only", nargs="*", choices=("scan", "hook", "kernel", "estimate", "cleanup"),
+    parser.add_argument("--only", nargs="*", choices=("scan", "hook", "kernel", "estimate", "cleanup", "truth"),
                         help="run only these benchmarks")
     parser.add_argument("--before", default=BEFORE_REF, help="git ref whose tracker/holders are timed as 'before' ('' to skip)")
     parser.add_argument("--render", action="store_true",
@@ -639,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         log("wrote benchmarks/RESULTS.md from benchmarks/results.json (no benchmark ran)")
         return 0
     started = time.perf_counter()
-    wanted = set(args.only or ("scan", "hook", "kernel", "estimate", "cleanup"))
+    wanted = set(args.only or ("scan", "hook", "kernel", "estimate", "cleanup", "truth"))
     results: dict[str, Any] = {"machine": machine()}
     log(f"machine: {results['machine']['cpu_model']}, {results['machine']['logical_cores']} cores, "
         f"{results['machine']['ram_bytes'] / 2**30:.1f} GiB, Python {results['machine']['python']}, "
@@ -662,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         ("kernel", kernel_anchor),
         ("estimate", lambda: _in_process("bench_estimate")),
         ("cleanup", lambda: _in_process("bench_cleanup")),
+        ("truth", lambda: _in_process("bench_estimate_truth", timeout=1200)),
     ]
     for name, step in steps:
         if name in wanted:
@@ -681,6 +686,10 @@ def main(argv: list[str] | None = None) -> int:
         log(text_table(SCAN_HEADER, scan_rows(results["scan"])))
     log("")
     log(text_table(["target", "measured", "verdict", "note"], results["verdicts"]))
+    if "truth" in results:
+        import bench_estimate_truth
+
+        (HERE / "ESTIMATES.md").write_text(bench_estimate_truth.markdown(results["truth"]))
     (HERE / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (HERE / "RESULTS.md").write_text(results_markdown(results, elapsed))
     log(f"\nwrote benchmarks/RESULTS.md, benchmarks/scaling.png, benchmarks/results.json in {elapsed / 60:.1f} min")

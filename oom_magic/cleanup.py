@@ -50,6 +50,14 @@ class FreeReport:
     dry_run: bool = False
     notes: tuple[str, ...] = ()
 
+    @property
+    def resident_freed(self) -> int | None:
+        """cpu: the resident memory (RSS) that really came back; tensors mapped from a file were never resident."""
+        if self.device != "cpu" or self.dry_run:
+            return None
+        before, after = self.before.process_used, self.after.process_used
+        return None if before is None or after is None else before - after
+
     def kind_bytes(self, kind: str) -> int:
         """Bytes freed (or, in a dry run, freeable) from one holder kind."""
         return dict(self.freed_by_kind).get(kind, 0)

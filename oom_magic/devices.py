@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import os
 import platform
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ._torch import cuda_initialized, loaded_torch
 from .errors import OomMagicError
 from .nvml import (Nvml, NvmlDevice, default_nvml, format_pci_bus_id, nvml_device_for_torch, ordering_note,
                    visible_nvml_devices)
-from .processes import ProcessInfo, describe_processes
+from .processes import NOTE_HOST_PID, NOTE_SELF_HOST_PID, ProcessInfo, describe_processes, recognise_self
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,11 @@ class DeviceReading:
     peak_allocated: int | None
     processes: tuple[ProcessInfo, ...] = ()  # other processes on this device
     notes: tuple[str, ...] = ()
+    # cuda: which NVML query gave total/free/used: "v2" (nvidia-smi's figures), "v1" (deprecated:
+    # used includes the driver's reserved memory), "torch" (mem_get_info), None (no reading)
+    memory_query: str | None = None
+    # The pid NVML lists for this process: os.getpid(), or a host pid inside a container.
+    own_listed_pid: int | None = None
 
     @property
     def cache(self) -> int | None:
@@ -211,6 +216,8 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
         allocated = reserved = peak = 0
         notes.append("CUDA is not initialized in this process: PyTorch holds nothing on it yet")
     name = total = free = used = process_used = None
+    memory_query: str | None = None
+    own_listed_pid: int | None = None
     others: tuple[ProcessInfo, ...] = ()
     status = nvml.status
     if status.available:
@@ -222,12 +229,20 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
                          + (f"; NVML failed: {failed}" if failed else ""))
         else:
             name, total, free, used = dev.name, dev.total, dev.free, dev.used
+            memory_query = dev.memory_query
+            if memory_query == "v1":
+                notes.append("NVML memory read with the v1 query (this driver has no v2): its 'used' "
+                             "includes the driver's reserved memory, so it reads above nvidia-smi's")
             if failed:
                 notes.append(f"NVML could not read all of cuda:{index} ({failed}): what it did not give shows n/a")
             described = describe_processes(nvml.processes(dev), self_pid=os.getpid())
             if nvml.processes_note:
                 notes.append(nvml.processes_note)
+            described, host_note = _own_host_pid(described, reserved if initialized else None)
+            if host_note:
+                notes.append(host_note)
             mine = [p for p in described if p.is_self]
+            own_listed_pid = mine[0].pid if mine else None
             others = tuple(p for p in described if not p.is_self)
             if mine:
                 process_used = mine[0].used_bytes
@@ -240,15 +255,53 @@ def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
             notes.append(order)
     else:
         notes.append(f"NVML unavailable: {status.reason}")
-        if initialized:
+        if initialized and not _has_primary_context(torch, index):
+            notes.append(f"no CUDA context on cuda:{index} yet: its free memory is not read "
+                         "(torch.cuda.mem_get_info would create one)")
+        elif initialized:
             try:
                 free_b, total_b = torch.cuda.mem_get_info(index)
                 free, total, used = int(free_b), int(total_b), int(total_b) - int(free_b)
+                memory_query = "torch"
                 name = torch.cuda.get_device_name(index)
             except Exception as exc:
                 notes.append(f"torch.cuda.mem_get_info failed: {exc}")
     return DeviceReading(f"cuda:{index}", name, total, free, used, process_used, allocated,
-                         reserved, peak, others, tuple(notes))
+                         reserved, peak, others, tuple(notes), memory_query, own_listed_pid)
+
+
+# A CUDA context and its libraries (cuBLAS, cuDNN, NCCL) take 0.3-2 GiB beside PyTorch's reserve.
+_CONTEXT_ALLOWANCE = 4 << 30
+
+
+def _own_host_pid(
+    described: tuple[ProcessInfo, ...], reserved: int | None
+) -> tuple[tuple[ProcessInfo, ...], str | None]:
+    """Mark the listed process that is this kernel under a host pid (containers), with a note."""
+    if any(p.is_self for p in described) or not reserved:
+        return described, None  # found by our pid, or we hold nothing and cannot be listed
+    pid = recognise_self(((p.pid, p.used_bytes) for p in described), reserved, reserved + _CONTEXT_ALLOWANCE)
+    if pid is None:
+        return described, None
+    # NVML speaks in host pids here: a pid we cannot see is another container's, not an exited one.
+    marked = tuple(replace(p, is_self=True, note=NOTE_SELF_HOST_PID) if p.pid == pid
+                   else replace(p, note=NOTE_HOST_PID) if p.note == "process has exited" else p for p in described)
+    return marked, f"pid {pid} in NVML's list is this kernel: {NOTE_SELF_HOST_PID}"
+
+
+def _has_primary_context(torch: Any, index: int) -> bool:
+    """Whether device ``index`` already has a CUDA primary context (asking creates none).
+
+    CUDA initialized on cuda:0 says nothing about cuda:1, and mem_get_info(1) would create a
+    context there (~300-500 MiB). Without the check (a torch without it), assume none exists.
+    """
+    check = getattr(getattr(torch, "_C", None), "_cuda_hasPrimaryContext", None)
+    if check is None:
+        return False
+    try:
+        return bool(check(index))
+    except Exception:
+        return False
 
 
 def _torch_pci_bus_id(torch: Any, index: int) -> str | None:

@@ -365,7 +365,8 @@ def _other_processes(message: OOMMessage | None, reading: DeviceReading | None, 
         return Cause("other-processes", score, (("others", others), ("total", reading.total)))
     pairs: list[tuple[int, int]] = []
     if message is not None and message.processes:
-        pairs = [(pid, used) for pid, used in message.processes if pid != self_pid]
+        own = {self_pid, reading.own_listed_pid if reading is not None else None, _own_pid_in_message(message, self_pid)}
+        pairs = [(pid, used) for pid, used in message.processes if pid not in own]
     else:
         pairs = [(p.pid, p.used_bytes) for p in infos.values() if not p.is_self and p.used_bytes is not None]
     others = sum(used for _, used in pairs)
@@ -380,6 +381,21 @@ def _other_processes(message: OOMMessage | None, reading: DeviceReading | None, 
                      or (infos.get(pid) is not None and infos[pid].is_jupyter_kernel))
     return Cause("other-processes", score, (("others", others), ("kernels", in_kernels)), processes=procs,
                  kernels=named)
+
+
+def _own_pid_in_message(message: OOMMessage, self_pid: int) -> int | None:
+    """The pid under which the message lists this process (a host pid in a container), or None.
+
+    PyTorch prints "this process has M memory in use" beside NVML's list: the one listed pid that
+    is not in our pid namespace and holds M (to its two-decimal rounding) is this process.
+    """
+    held = message.this_process
+    if held is None:
+        return None
+    slack = max(held // 100, 16 << 20)  # "20.50 GiB" is exact to ±5 MiB; allow rounding both sides
+    from .processes import recognise_self
+
+    return recognise_self(message.processes, held - slack, held + slack, self_pid=self_pid)
 
 
 def _bare_process(pid: int, used: int) -> ProcessInfo:

@@ -17,12 +17,14 @@ import json
 import math
 import os
 import pickletools
+import re
 import struct
+import sys
 import zipfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from .checkpoints import (
     CheckpointFiles,
@@ -34,6 +36,9 @@ from .checkpoints import (
     sniff_format,
 )
 from .errors import OomMagicError
+
+if TYPE_CHECKING:
+    from .hf_rules import HeldBytes
 
 __all__ = ["CheckpointEstimate", "estimate_checkpoint", "resolve_checkpoint"]
 
@@ -100,6 +105,9 @@ _MAX_ELEMENTS = 1 << 64
 
 # Module names bitsandbytes leaves alone (see bytes_for); "embed", "norm" and "ln*" match as parts.
 _EMBEDDING_MODULES = frozenset({"wte", "wpe", "shared", "lm_head"})
+# A per-expert weight of a MoE layer ("...block_sparse_moe.experts.3.w1.weight", "mlp.experts.0.up_proj...").
+_EXPERT = re.compile(r"(?:^|\.)experts\.\d+\.")
+_LAYER = re.compile(r"(?:^|\.)(?:layers?|h|blocks?)\.(\d+)\.")
 _HEAD_MODULES = frozenset({"lm_head", "output", "embed_out", "score", "classifier", "qa_outputs"})
 
 
@@ -111,6 +119,8 @@ class _Stored(NamedTuple):
     nbytes: int
     # (elements, rows) of each Linear weight it holds; empty when bitsandbytes would leave it as is
     linear: tuple[tuple[int, int], ...] = ()
+    expert: bool = False  # one expert's weight of a MoE layer (transformers 5 fuses them on load)
+    layer: int | None = None  # the "layers.N" index in its name, for expert weights
 
 
 @dataclass(frozen=True)
@@ -125,6 +135,10 @@ class _Sizes:
     linear_packed_bytes: int  # sum of ceil(n / 2): two 4-bit codes per byte
     linear_blocks: int  # sum of ceil(n / 64)
     linear_nested_blocks: int  # sum of ceil(ceil(n / 64) / 256)
+    expert_elements: int = 0  # floating elements of per-expert MoE weights (fused on load)
+    expert_bytes: int = 0  # the same, as stored
+    expert_layers: int = 0  # how many layers hold expert weights
+    stored_tensors: int = 0  # tensors (torch: storages) in the checkpoint
 
 
 @dataclass(frozen=True)
@@ -141,9 +155,13 @@ class CheckpointEstimate:
     stored_dtypes: tuple[tuple[str, int], ...]  # (dtype name, elements), most elements first
     declared_dtype: str | None  # config.json's "dtype"/"torch_dtype" beside the weights
     _sizes: _Sizes = field(repr=False, compare=False)
+    # The folder whose config.json transformers' rules are asked about (quantized / float16
+    # loads, see hf_rules); None: header arithmetic only.
+    _rules_dir: str | None = field(default=None, repr=False, compare=False)
 
     def bytes_for(
-        self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16"
+        self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16",
+        skip_modules: tuple[str, ...] | None = None,
     ) -> int:
         """Return the bytes the weights take once loaded as `dtype` (tensor data, no allocator slack).
 
@@ -166,8 +184,37 @@ class CheckpointEstimate:
         output, embed_out, score, classifier, qa_outputs: transformers keeps the head and tied
         weights unquantized) and not a norm. Rows are ``shape[0]``, nn.Linear's out_features
         (GPT-2's Conv1D stores [in, out]: its int8 scale count is off by in - out per layer).
+
+        Made with ``follow_transformers``, int8/nf4/fp4 and float16 follow transformers' own rules
+        instead (``held_by_rules``): which modules bitsandbytes replaces (fused MoE experts stay
+        16-bit; ``skip_modules`` = ``llm_int8_skip_modules``), which stay float32, and each
+        replaced weight in bitsandbytes' layout including its per-layer code table.
         """
-        return _bytes_for(self._sizes, _canonical_request(dtype), double_quant, unquantized_dtype)
+        canonical = _canonical_request(dtype)
+        held = self.held_by_rules(canonical, double_quant=double_quant, unquantized_dtype=unquantized_dtype,
+                                  skip_modules=skip_modules)
+        if held is not None:
+            return held.bytes
+        return _bytes_for(self._sizes, canonical, double_quant, unquantized_dtype)
+
+    def held_by_rules(self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16",
+                      skip_modules: tuple[str, ...] | None = None) -> HeldBytes | None:
+        """What transformers' own rules say a quantized or float16 load holds (see hf_rules), or None.
+
+        None when this estimate was made without them (``follow_transformers``), the load is not
+        quantized or float16, or the model cannot be built on the meta device.
+        """
+        canonical = _canonical_request(dtype)
+        if self._rules_dir is None or (canonical not in _QUANTIZED and canonical != "float16"):
+            return None
+        from .hf_rules import MAX_TENSORS, held_bytes
+
+        if self._sizes.stored_tensors > MAX_TENSORS:
+            return None  # a model this size is not built on meta before the load: header arithmetic answers
+
+        rest = _canonical_request(unquantized_dtype)
+        return held_bytes(self._rules_dir, canonical, unquantized_dtype=rest, double_quant=double_quant,
+                          skip_modules=skip_modules)
 
     def __repr__(self) -> str:
         return (
@@ -178,17 +225,24 @@ class CheckpointEstimate:
 
 
 def estimate_checkpoint(
-    path_or_id: str | os.PathLike[str], dtype: str | None = None
+    path_or_id: str | os.PathLike[str], dtype: str | None = None, *, follow_transformers: bool | None = None
 ) -> CheckpointEstimate:
     """Size a checkpoint (file, folder, or cached hub id) from its headers; `dtype` picks `bytes`.
+
+    `follow_transformers`: size quantized and float16 loads by transformers' own rules (fused MoE
+    experts stay 16-bit under bitsandbytes, ``_keep_in_fp32_modules`` stay float32; see hf_rules)
+    on a meta model built when such a figure is asked for. None (default): only when torch and
+    transformers are already imported, so that this never imports them on its own.
 
     `dtype` is None (as stored), 'auto' (config.json's dtype, else as stored), a float dtype
     ('bfloat16', 'fp16', 'torch.float32', ...) or a bitsandbytes load ('int8', 'nf4'); see
     CheckpointEstimate.bytes_for. Raises OomMagicError, one line naming the file, for anything
     that is missing, malformed or not a checkpoint.
     """
+    if follow_transformers is None:
+        follow_transformers = "torch" in sys.modules and "transformers" in sys.modules
     try:
-        return _estimate(path_or_id, dtype)
+        return _estimate(path_or_id, dtype, follow_transformers)
     except OomMagicError as exc:
         message = str(exc)
         if one_line(message, limit=1000) != message:  # a file name with a newline in it, say
@@ -196,8 +250,9 @@ def estimate_checkpoint(
         raise
 
 
-def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None) -> CheckpointEstimate:
+def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_transformers: bool) -> CheckpointEstimate:
     found = find_checkpoint_files(resolve_checkpoint(path_or_id))
+    rules_dir = str(found.config.parent) if follow_transformers and found.config is not None else None
     declared = _declared_dtype(found)
     request = None if dtype is None else str(dtype)
     if request is not None and request.strip().lower() == "auto":
@@ -206,18 +261,20 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None) -> Checkpoi
     stored = _read_stored(found, declared)
     sizes = _summarize(stored)
     stored_bytes = sum(item.nbytes for item in stored)
-    return CheckpointEstimate(
+    estimate = CheckpointEstimate(
         path=str(found.path),
         format=found.format,
         files=tuple(str(p) for p in found.files),
         parameters=sum(item.elements for item in stored),
         stored_bytes=stored_bytes,
         dtype=canonical,
-        bytes=stored_bytes if canonical is None else _bytes_for(sizes, canonical, False, "bfloat16"),
+        bytes=stored_bytes,
         stored_dtypes=_dtype_census(stored),
         declared_dtype=declared,
         _sizes=sizes,
+        _rules_dir=rules_dir,
     )
+    return estimate if canonical is None else replace(estimate, bytes=estimate.bytes_for(canonical))
 
 
 # --------------------------------------------------------------------------- dtype arithmetic
@@ -276,12 +333,19 @@ def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
 
 def _summarize(stored: Iterable[_Stored]) -> _Sizes:
     """Add up what bytes_for needs from the stored tensors."""
-    fixed = floating = elements = rows = tensors = packed = blocks = nested = 0
+    fixed = floating = elements = rows = tensors = packed = blocks = nested = expert_elements = expert_bytes = 0
+    layers: set[int | None] = set()
+    count = 0
     for item in stored:
+        count += 1
         if not _is_floating(item.dtype):
             fixed += item.nbytes
             continue
         floating += item.elements
+        if item.expert:
+            expert_elements += item.elements
+            expert_bytes += item.nbytes
+            layers.add(item.layer)
         for n, r in item.linear:
             elements += n
             rows += r
@@ -290,7 +354,8 @@ def _summarize(stored: Iterable[_Stored]) -> _Sizes:
             nblocks = -(-n // _NF4_BLOCK)
             blocks += nblocks
             nested += -(-nblocks // _NESTED_BLOCK)
-    return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested)
+    return _Sizes(fixed, floating, elements, rows, tensors, packed, blocks, nested, expert_elements, expert_bytes,
+                  len(layers), count)
 
 
 def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
@@ -304,7 +369,9 @@ def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
 def _tensor(dtype: str, name: str, shape: tuple[int, ...], elements: int, nbytes: int) -> _Stored:
     """A named stored tensor, marked quantizable when it looks like a Linear weight."""
     linear = ((elements, shape[0]),) if _is_floating(dtype) and is_linear_weight(name, shape) else ()
-    return _Stored(dtype, elements, nbytes, linear)
+    expert = _is_floating(dtype) and _EXPERT.search(name) is not None
+    layer = _LAYER.search(name) if expert else None
+    return _Stored(dtype, elements, nbytes, linear, expert, int(layer.group(1)) if layer else None)
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -11,10 +11,10 @@
    empty the cache) and say how much came back; parse the message, diagnose it, retry when the
    diagnosis says the same load fits now, then raise a short exception of the original type.
 
-Peak figures. CUDA: ``torch.cuda.reset_peak_memory_stats()`` is called before the cell when CUDA
-is initialized — this resets the process-wide peak counter that ``max_memory_allocated()``
-reports — and the peak is read after; when CUDA initializes inside the cell the peak since
-initialization is the cell's. CPU (Linux): the process's resident high-water mark is reset by
+Peak figures. CUDA: ``max_memory_allocated()`` is read before and after the cell and never reset
+(the peak counter is the user's): when it rose during the cell the new mark is the cell's peak;
+when CUDA initializes inside the cell the peak since initialization is the cell's; otherwise the
+cell stayed under an earlier peak and its own is unknown unless it equals the level before/after. CPU (Linux): the process's resident high-water mark is reset by
 writing 5 to ``/proc/self/clear_refs`` (this resets VmHWM and ``ru_maxrss`` for the process) and
 read from ``/proc/self/status`` after; elsewhere the peak is given only when the process's
 lifetime peak rose during the cell, else None with the reason.
@@ -327,32 +327,45 @@ def largest_free_block(segments: list[dict[str, Any]], device: int | None = None
     return best
 
 
-def cuda_peak_start(torch: ModuleType, index: int) -> bool:
-    """Reset the allocator's peak counter before the cell, only when CUDA is already initialized."""
+def cuda_peak_start(torch: ModuleType, index: int) -> int | None:
+    """The allocator's peak mark before the cell (CUDA initialized only); never reset: it is the user's."""
     try:
         if not torch.cuda.is_initialized():
-            return False
-        torch.cuda.reset_peak_memory_stats(index)
-        return True
+            return None
+        return int(torch.cuda.max_memory_allocated(index))
     except Exception:
-        return False
+        return None
 
 
-def cuda_peak_read(torch: ModuleType, index: int, was_initialized: bool, allocated_before: int | None) -> PeakReading:
-    """The cell's allocator peak: reset before (initialized) or since initialization (inside the cell)."""
+def cuda_peak_read(torch: ModuleType, index: int, was_initialized: bool, allocated_before: int | None,
+                   mark_before: int | None = None, allocated_after: int | None = None) -> PeakReading:
+    """The cell's allocator peak, read without resetting the user's ``max_memory_allocated()``.
+
+    If the mark rose during the cell, the new mark is the cell's peak; if CUDA initialized inside
+    the cell, the peak since is the cell's; otherwise the cell stayed under an earlier peak, and
+    its own is known only when it equals the higher of the levels before and after.
+    """
     try:
         if not torch.cuda.is_initialized():
             return PeakReading(None, None, "none", "CUDA was not used in this cell: no allocator peak")
         peak = int(torch.cuda.max_memory_allocated(index))
     except Exception as exc:
         return PeakReading(None, None, "none", f"torch.cuda.max_memory_allocated failed: {exc}")
-    if was_initialized:
-        above = None if allocated_before is None else peak - allocated_before
+    if not was_initialized:
+        return PeakReading(peak, peak, "allocated",
+                           "highest allocated by PyTorch since CUDA initialized in this cell")
+    above = None if allocated_before is None else peak - allocated_before
+    if mark_before is not None and peak > mark_before:
         return PeakReading(peak, above, "allocated",
-                           "highest allocated by PyTorch during the cell (the global peak counter was reset "
-                           "before it, so max_memory_allocated() now counts from this cell)")
-    return PeakReading(peak, peak, "allocated",
-                       "highest allocated by PyTorch since CUDA initialized in this cell")
+                           "highest allocated by PyTorch during the cell (max_memory_allocated() rose in it; "
+                           "read, never reset)")
+    levels = [b for b in (allocated_before, allocated_after) if b is not None]
+    if levels and mark_before is not None and max(levels) == peak:
+        return PeakReading(peak, above, "allocated", "highest allocated by PyTorch during the cell")
+    return PeakReading(None, None, "none",
+                       "the cell stayed below an earlier allocator peak"
+                       + (f" ({mark_before} bytes)" if mark_before is not None else "")
+                       + ": its own peak is unknown (max_memory_allocated() is yours, so it is not reset)")
 
 
 def start_history(torch: ModuleType) -> str | None:
@@ -591,6 +604,7 @@ class _Start:
     rss_peak_reset: bool
     max_rss: int | None
     started: float
+    cuda_peak_before: int | None = None  # max_memory_allocated() before the attempt (read, not reset)
 
 
 def _default_traceback(exc: BaseException) -> str:
@@ -797,7 +811,7 @@ class GuardedLoad:
             rehearsal = replace(rehearsal, reason="cuda-not-initialized")
         self.rehearsal = rehearsal
         if rehearsal.reason is not None:  # on cpu that is expected; on a GPU it is a warning
-            self._say(rehearsal_line(rehearsal), always=rehearsal.reason != "not-cuda")
+            self._say(rehearsal_line(rehearsal, before=True), always=rehearsal.reason != "not-cuda")
 
     def _cuda_ready(self) -> bool:
         """Whether the user's torch has CUDA initialized (asking creates no context)."""
@@ -912,15 +926,17 @@ class GuardedLoad:
         reading = self._read()
         index = int(self.device.partition(":")[2] or 0)
         was_initialized = cuda_initialized()
+        peak_mark = None
         if self.device.startswith("cuda") and self.torch is not None:
-            cuda_peak_start(self.torch, index)
+            peak_mark = cuda_peak_start(self.torch, index)
         storages, variables = _scan(self.torch, self.device, self.shell, self.namespace, variables=number == 1)
         if number == 1:
             self.variables_before = variables
         reset = self.device == "cpu" and _reset_rss_peak()
         if number == 1:
             self._first_reading = reading
-        return _Start(reading, storages, was_initialized, reading.process_used, reset, _max_rss(), time.perf_counter())
+        return _Start(reading, storages, was_initialized, reading.process_used, reset, _max_rss(), time.perf_counter(),
+                      peak_mark)
 
     def _succeeded(self, start: _Start, number: int) -> Attempt:
         seconds = time.perf_counter() - start.started
@@ -1122,7 +1138,7 @@ class GuardedLoad:
             if self.torch is None:
                 return PeakReading(None, None, "none", "torch is not imported: no allocator peak")
             return cuda_peak_read(self.torch, int(self.device.partition(":")[2] or 0), start.cuda_was_initialized,
-                                  start.reading.allocated)
+                                  start.reading.allocated, start.cuda_peak_before, after.allocated)
         if self.device == "cpu":
             if start.rss_peak_reset:
                 peak = _rss_peak()

@@ -13,7 +13,7 @@ import importlib
 import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Callable
 
@@ -40,6 +40,7 @@ _ERR_LIBRARY_NOT_FOUND = 12
 _ERR_FUNCTION_NOT_FOUND = 13
 _ERR_LIB_RM_VERSION_MISMATCH = 18
 _MIG_ENABLED = 1
+_MEMORY_V2 = 0x02000028  # nvidia-ml-py's nvmlMemory_v2 (sizeof(nvmlMemory_v2_t) | 2 << 24)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,10 @@ class NvmlDevice:
     mig_enabled: bool = False  # a physical GPU in MIG mode (CUDA runs on its instances)
     gpu_instance_id: int | None = None  # MIG instance only: the "gi" of MIG-GPU-<uuid>/gi/ci
     compute_instance_id: int | None = None  # MIG instance only: the "ci"
+    # Which NVML memory query gave total/free/used: "v2" (used excludes the driver's reserved
+    # memory, as nvidia-smi prints it) or "v1" (deprecated: used includes it); None: no reading.
+    memory_query: str | None = field(default=None, compare=False)
+    reserved: int | None = field(default=None, compare=False)  # the driver's reserved memory (v2 only)
 
 
 @dataclass(frozen=True)
@@ -295,10 +300,12 @@ class Nvml:
         return instances
 
     def _read_device(self, handle: Any, *, index: int, parent: NvmlDevice | None) -> NvmlDevice:
-        memory = self.query("nvmlDeviceGetMemoryInfo", handle)
+        memory, query = self._memory(handle)
         total = _bytes(getattr(memory, "total", None))
         free = _bytes(getattr(memory, "free", None))
         used = _bytes(getattr(memory, "used", None))
+        reserved = _bytes(getattr(memory, "reserved", None)) if query == "v2" else None
+        read = {"memory_query": query, "reserved": reserved}
         uuid = _text(self.query("nvmlDeviceGetUUID", handle))
         name = _text(self.query("nvmlDeviceGetName", handle))
         if parent is not None:
@@ -314,6 +321,7 @@ class Nvml:
                 parent_index=parent.index,
                 gpu_instance_id=_int(self.query("nvmlDeviceGetGpuInstanceId", handle)),
                 compute_instance_id=_int(self.query("nvmlDeviceGetComputeInstanceId", handle)),
+                **read,
             )
         pci = self.query("nvmlDeviceGetPciInfo", handle)
         bus_id = normalize_pci_bus_id(getattr(pci, "busId", None)) or normalize_pci_bus_id(
@@ -332,7 +340,26 @@ class Nvml:
             is_mig=False,
             parent_index=None,
             mig_enabled=current == _MIG_ENABLED,
+            **read,
         )
+
+    def _memory(self, handle: Any) -> tuple[Any, str | None]:
+        """The v2 memory reading (nvidia-smi's figures) where the driver has it, else the v1 one."""
+        if not self.status.available:
+            return None, None
+        version = getattr(self._module, "nvmlMemory_v2", _MEMORY_V2)
+        # A driver before R510 lacks the v2 symbol: an expected answer, so probed, not logged.
+        memory = self._probe("nvmlDeviceGetMemoryInfo", handle, version)
+        if memory is not None and getattr(memory, "total", None) is not None:
+            return memory, "v2"
+        memory = self.query("nvmlDeviceGetMemoryInfo", handle)
+        return memory, None if memory is None else "v1"
+
+    def handle(self, device: NvmlDevice) -> Any:
+        """pynvml's handle for a device record (a MIG instance's own), checked against its UUID; None if gone."""
+        if not self.status.available:
+            return None
+        return self._handle_for(device)
 
     def _handle_for(self, device: NvmlDevice) -> Any:
         """A fresh handle for a device record, checked against its UUID (devices can change)."""

@@ -43,10 +43,10 @@ _MARKER = _rx(
 )
 _MARKER_WORDS = ("out of memory", "DefaultCPUAllocator", "BLAS_STATUS_ALLOC_FAILED")
 _GPU_HEAD = _rx(rf"(CUDA|HIP|XPU) out of memory\.(?: Tried to allocate {_SIZE})?")
-_GPU_V1 = _rx(  # PyTorch 1.x-2.0; early 1.x said "cached": reserved but unallocated
-    rf" ?\(GPU (\d+); {_SIZE} total capacity; {_SIZE} already allocated; {_SIZE} free; "
-    rf"(?:{_SIZE} allowed; )?{_SIZE} (reserved in total by PyTorch|cached)\)"
-)
+# PyTorch 1.x-2.0 and today's XPU allocator: "(GPU 0; <size> <label>; ...)". Fields are read one
+# by one, so a message that leaves one out (XPU has no "free") still gives every field it has.
+_GPU_V1 = _rx(r" ?\(GPU (\d+); ([^()]{1,400})\)")
+_V1_FIELD = _rx(rf"{_SIZE} (total capacity|already allocated|free|allowed|reserved in total by PyTorch|cached)$")
 _GPU_V2 = _rx(rf"\.? ?GPU (\d+) has a total capac(?:i)?ty of {_SIZE} of which {_SIZE} is free\.")
 _PROCESS = _rx(rf" ?Process (\d+) has {_SIZE} memory in use\.")
 _THIS_PROCESS = _rx(rf" ?Including non-PyTorch memory, this process has {_SIZE} memory in use\.")
@@ -152,14 +152,16 @@ def _parse_gpu(window: str) -> OOMMessage:
     assert head is not None  # the marker matched here
     found: dict[str, object] = {"requested": _size(head, 2)}
     pos = head.end()
-    if v1 := _GPU_V1.match(window, pos):
-        allocated = _size(v1, 4)
-        found.update(device_index=_count(v1.group(1)), total=_size(v1, 2), allocated=allocated,
-                     free=_size(v1, 6), allowed=_size(v1, 8))
-        reserved = _size(v1, 10)
-        if v1.group(12) == "cached":
-            found.update(reserved_unallocated=reserved, reserved_total=_sum(allocated, reserved))
-        else:
+    if (v1 := _GPU_V1.match(window, pos)) and (fields := _v1_fields(v1.group(2))):
+        # 1.x and XPU: every field present is read; "cached" (early 1.x) is the unallocated cache.
+        allocated = fields.get("already allocated")
+        found.update(device_index=_count(v1.group(1)), total=fields.get("total capacity"),
+                     allocated=allocated, free=fields.get("free"), allowed=fields.get("allowed"))
+        if "cached" in fields:
+            cache = fields["cached"]
+            found.update(reserved_unallocated=cache, reserved_total=_sum(allocated, cache))
+        elif "reserved in total by PyTorch" in fields:
+            reserved = fields["reserved in total by PyTorch"]
             found.update(reserved_total=reserved, reserved_unallocated=_diff(reserved, allocated))
         pos = v1.end()
     elif v2 := _GPU_V2.match(window, pos):
@@ -185,6 +187,17 @@ def _parse_gpu(window: str) -> OOMMessage:
                          reserved_total=_sum(allocated, cache))
             pos = split.end()
     return _record(head.group(1).lower(), window[: _advice_end(window, pos)], **found)
+
+
+def _v1_fields(body: str) -> dict[str, int | None] | None:
+    """The "<size> <label>" fields of a 1.x/XPU parenthesis by label; None when one is not a field."""
+    fields: dict[str, int | None] = {}
+    for part in body.split("; "):
+        m = _V1_FIELD.match(part.strip())
+        if m is None:
+            return None
+        fields[m.group(3)] = _size(m, 1)
+    return fields
 
 
 def _parse_mps(window: str) -> OOMMessage:

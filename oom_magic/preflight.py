@@ -70,6 +70,7 @@ class LoadCall:
     moved_to: str | None = None  # .to(device) / .cuda() applied to the result
     cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
     notes: tuple[str, ...] = ()
+    skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,12 @@ class FitCheck:
     # --target: checked against that GPU's usable memory (free = usable, context already in it), not this device
     target: Target | None = None
     offload: OffloadCheck | None = None  # the advised offload plan's CPU and disk shares checked here
+    # --target: the same load checked against this machine too (a 25 GiB load must not run on a
+    # 24 GiB machine because an 80 GiB target would hold it); None without --target
+    local: FitCheck | None = None
+    # cpu loads: RAM at the load's peak when above `need` (a cast or MoE fusion copies beside the
+    # file pages it reads; see load_peak); None when the peak is the weights themselves
+    ram_peak: int | None = None
 
     @property
     def budget(self) -> int | None:
@@ -111,7 +118,7 @@ class FitCheck:
         """Budget − need: what stays free after the load (negative: the shortfall)."""
         if self.need is None or self.budget is None:
             return None
-        return self.budget - self.need
+        return self.budget - max(self.need, self.ram_peak or 0)
 
 
 @dataclass(frozen=True)
@@ -144,8 +151,9 @@ class Preflight:
 
     @property
     def will_not_fit(self) -> tuple[FitCheck, ...]:
-        """The loads that will not fit where they are going."""
-        return tuple(c for c in self.checks if c.verdict == "will-not-fit")
+        """The loads that will not fit where they are going (under --target: there, or here)."""
+        return tuple(c for c in self.checks if c.verdict == "will-not-fit"
+                     or (c.local is not None and c.local.verdict == "will-not-fit"))
 
     @property
     def fits(self) -> bool | None:
@@ -319,6 +327,14 @@ class _Quant:
     kind: str | None  # 'int8' | 'nf4' | 'fp4' | None (not bitsandbytes)
     double_quant: bool
     type_name: str
+    skip_modules: tuple[str, ...] | None = None  # llm_int8_skip_modules: transformers' modules_to_not_convert
+
+
+def _skip_modules(value: object) -> tuple[str, ...] | None:
+    """llm_int8_skip_modules as given (a list of module names), else None (transformers' defaults)."""
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -396,7 +412,8 @@ def _quant_from_object(obj: object) -> _Quant | None:
         four = bool(attrs.get("_load_in_4bit", attrs.get("load_in_4bit", False)))
         eight = bool(attrs.get("_load_in_8bit", attrs.get("load_in_8bit", False)))
         kind = ("fp4" if attrs.get("bnb_4bit_quant_type") == "fp4" else "nf4") if four else "int8" if eight else None
-        return _Quant(kind, bool(attrs.get("bnb_4bit_use_double_quant", False)), name)
+        return _Quant(kind, bool(attrs.get("bnb_4bit_use_double_quant", False)), name,
+                      _skip_modules(attrs.get("llm_int8_skip_modules")))
     return _Quant(None, False, name)
 
 
@@ -599,7 +616,8 @@ class _Resolver:
             four, eight = kwargs.get("load_in_4bit") is True, kwargs.get("load_in_8bit") is True
             # transformers' default bnb_4bit_quant_type is "fp4" (same size as nf4)
             kind = ("nf4" if kwargs.get("bnb_4bit_quant_type") == "nf4" else "fp4") if four else "int8" if eight else None
-            return _Quant(kind, kwargs.get("bnb_4bit_use_double_quant") is True, last)
+            return _Quant(kind, kwargs.get("bnb_4bit_use_double_quant") is True, last,
+                          _skip_modules(kwargs.get("llm_int8_skip_modules")))
         if last.endswith("Config") and ("Quant" in last or last.startswith(("GPTQ", "Awq", "Hqq", "Quanto"))):
             return _Quant(None, False, last)
         if func in ("builtins.dict", "dict") and not args:
@@ -851,6 +869,7 @@ def _describe(kind: str, node: ast.Call, stmt: ast.stmt, resolver: _Resolver, pa
     dtype: str | None = None
     quant: str | None = None
     double = False
+    skip: tuple[str, ...] | None = None
     device: str | None = None
     max_memory: tuple[tuple[int | str, int], ...] | None = None
     offload: str | None = None
@@ -865,7 +884,7 @@ def _describe(kind: str, node: ast.Call, stmt: ast.stmt, resolver: _Resolver, pa
             dtype = value
         q = resolver.value(_arg(node, None, "quantization_config"))
         if isinstance(q, _Quant):
-            quant, double = q.kind or q.type_name, q.double_quant
+            quant, double, skip = q.kind or q.type_name, q.double_quant, q.skip_modules
         elif isinstance(q, _Unknown) and _arg(node, None, "quantization_config") is not None:
             notes.append(f"quantization_config: {q.reason}")
         if resolver.value(_arg(node, None, "load_in_8bit")) is True:
@@ -894,7 +913,7 @@ def _describe(kind: str, node: ast.Call, stmt: ast.stmt, resolver: _Resolver, pa
         target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
-        moved_to=moved, cast_to=cast, notes=tuple(notes),
+        moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip,
     )
 
 
@@ -1114,10 +1133,15 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
     if not calls:
         notes.append("no from_pretrained / torch.load / load_file call found: nothing to size")
     budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, rehearsed)
+    # --target: the local fit check always applies too (the cell runs here, whatever the target).
+    here = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml) if rehearsed else None
     checks: list[FitCheck] = []
     lints: list[Lint] = []
     for call in calls:
         check, call_lints = _check_call(call, device, budgets)
+        if here is not None and check.target is not None:
+            local, _ = _check_call(call, device, here)
+            check = replace(check, local=local)
         checks.append(check)
         lints += call_lints
         if rehearsed is not None and check.target is not None and not check.device.startswith(("cuda", "auto")):
@@ -1171,7 +1195,9 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     if call.checkpoint is None:
         return _unknown(call, where, f"cannot size the checkpoint: {call.unresolved}"), _lints(call, None, None, None)
     try:
-        estimate = _estimate(call.checkpoint)
+        # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
+        # transformers' own rules (a meta model, built only when such a size is asked for).
+        estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained")
     except OomMagicError as exc:
         lints = _lints(call, None, None, None)
         return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
@@ -1207,8 +1233,10 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
                 process_cap=budgets.limits.get(place), target=budgets.target)
     if free is None:
         return FitCheck(verdict="unknown", reason=why, **base), lints  # type: ignore[arg-type]
+    peak = _ram_peak(call, estimate, dtype) if place == "cpu" else None
+    base["ram_peak"] = peak if peak is not None and peak > need else None
     budget = free - context - headroom
-    if need <= budget:
+    if max(need, peak or 0) <= budget:
         return FitCheck(verdict="fits", reason=None, **base), lints  # type: ignore[arg-type]
     model_part = None
     if keys is not None and keys.optimizer_keys():
@@ -1217,18 +1245,39 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
                           device_budget=budget, ram_budget=budgets.ram() if place != "cpu" else budget,
                           disk_budget=budgets.disk(), model_part=model_part,
                           offload_folder=call.offload_folder or "offload")
-    options, offload = _check_offload_plan(options)
+    options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return FitCheck(verdict="will-not-fit", reason=None, options=options, offload=offload,
                     **base), lints  # type: ignore[arg-type]
 
 
-def _check_offload_plan(options: tuple[FitOption, ...]) -> tuple[tuple[FitOption, ...], OffloadCheck | None]:
-    """Check the advised disk-offload plan's RAM and disk shares here; an option that falls short does not fit."""
+def _ram_peak(call: LoadCall, estimate: Any, dtype: str | None) -> int | None:
+    """RAM a from_pretrained onto the cpu takes at its peak (load_peak), or None when not known."""
+    if call.kind != "from_pretrained":
+        return None
+    from .load_peak import load_peak
+
+    peak = load_peak(estimate, dtype)
+    return None if peak is None else peak.ram_need
+
+
+def _peak_ratio(call: LoadCall, estimate: Any, dtype: str | None) -> float:
+    """RAM at the load's peak per byte of weights kept in RAM (1.0 when no copy is made)."""
+    peak = _ram_peak(call, estimate, dtype)
+    loaded = estimate.bytes_for(dtype) if dtype in _FLOAT_DTYPES.values() else estimate.stored_bytes
+    return max(peak / loaded, 1.0) if peak and loaded else 1.0
+
+
+def _check_offload_plan(options: tuple[FitOption, ...],
+                        peak_ratio: float = 1.0) -> tuple[tuple[FitOption, ...], OffloadCheck | None]:
+    """Check the advised disk-offload plan's RAM and disk shares here; an option that falls short does not fit.
+
+    The RAM share counts the load's transient peak (``peak_ratio``: a cast copies beside the file).
+    """
     plan = next((o for o in options if o.kind == "offload-folder"), None)
     if plan is None:
         return options, None
     try:
-        offload = check_offload(plan.cpu_bytes, plan.disk_bytes, plan.offload_folder or "offload")
+        offload = check_offload(int(plan.cpu_bytes * peak_ratio), plan.disk_bytes, plan.offload_folder or "offload")
     except OomMagicError:
         return options, None
     if offload.ok:
@@ -1265,7 +1314,9 @@ def _need(call: LoadCall, estimate: Any) -> tuple[int, str | None]:
         dtype = call.cast_to
     rest = dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
     if call.quantization in ("int8", "nf4", "fp4"):
-        return estimate.bytes_for(call.quantization, double_quant=call.double_quant, unquantized_dtype=rest), call.quantization
+        kwargs = {"skip_modules": call.skip_modules} if call.skip_modules is not None else {}
+        return (estimate.bytes_for(call.quantization, double_quant=call.double_quant, unquantized_dtype=rest, **kwargs),
+                call.quantization)
     if dtype in ("float32", "float16", "bfloat16", "float64"):
         return estimate.bytes_for(dtype), dtype
     return estimate.stored_bytes, None
@@ -1311,7 +1362,7 @@ def _check_auto(call: LoadCall, estimate: Any, need: int, dtype: str | None, bud
         options = fit_options(estimate, device=place, need=need, dtype=dtype,
                               device_budget=dict(split).get(place, 0), ram_budget=ram, disk_budget=disk,
                               offload_folder=call.offload_folder or "offload")
-        options, offload = _check_offload_plan(options)
+        options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return FitCheck(call=call, device="auto", verdict=verdict, reason=None, need=need, dtype=dtype, free=free,
                     context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                     declared_dtype=estimate.declared_dtype, split=tuple(split), options=options,
@@ -1341,12 +1392,12 @@ class _PipelineEstimate:
         return sum(p.bytes_for(dtype, **kwargs) for p in self.parts)
 
 
-def _estimate(checkpoint: str) -> Any:
+def _estimate(checkpoint: str, follow_transformers: bool = False) -> Any:
     """estimate_checkpoint, or for a diffusers pipeline folder the sum over its weight folders."""
     from .estimate import estimate_checkpoint, resolve_checkpoint
 
     try:
-        return estimate_checkpoint(checkpoint)
+        return estimate_checkpoint(checkpoint, follow_transformers=follow_transformers)
     except OomMagicError as first:
         try:
             folder = resolve_checkpoint(checkpoint)
@@ -1387,7 +1438,8 @@ def _lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None, load_dtyp
 def _torch_load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None) -> list[Lint]:
     found: list[Lint] = []
     name = Path(call.checkpoint).name if call.checkpoint else "the checkpoint"
-    if not call.map_location_given:
+    saved_on_cpu = keys is not None and bool(keys.locations) and all(loc == "cpu" for loc in keys.locations)
+    if not call.map_location_given and not saved_on_cpu:  # a cpu-saved file comes back to the cpu anyway
         saved = ", ".join(keys.locations) if keys is not None and keys.locations else None
         where = f" (this file was saved from {saved})" if saved else ""
         found.append(Lint("map-location", call.line,

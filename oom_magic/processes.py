@@ -13,11 +13,13 @@ from typing import Any, Iterable, Sequence
 
 from .nvml import NvmlProcess
 
-__all__ = ["ProcessInfo", "describe_processes", "looks_like_jupyter_kernel"]
+__all__ = ["ProcessInfo", "describe_processes", "looks_like_jupyter_kernel", "recognise_self"]
 
 _NOTE_ACCESS_DENIED = "access denied"
 _NOTE_EXITED = "process has exited"
 _NOTE_OTHER_USER = "another user's process"
+NOTE_HOST_PID = "a host pid, not visible from this container"
+NOTE_SELF_HOST_PID = "this kernel, listed by its host pid (this container has its own pid namespace)"
 
 # A kernel's connection file: "kernel-<id>.json", passed as "-f <path>", "--f=<path>" or bare.
 _CONNECTION_FILE = re.compile(r"(?:^|[/\\=])kernel-[^/\\]*\.json$")
@@ -130,3 +132,41 @@ def describe_processes(
             )
     described.sort(key=lambda p: (p.used_bytes is None, -(p.used_bytes or 0), p.pid))
     return tuple(described)
+
+
+def _pid_exists_here(pid: int) -> bool:
+    """Whether ``pid`` names a process in this pid namespace (False also when it exited)."""
+    try:
+        os.kill(pid, 0)  # signal 0: an existence check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # it exists, it is just not ours to signal
+    return True
+
+
+def recognise_self(
+    listed: Iterable[tuple[int, int | None]],
+    low: int | None,
+    high: int | None,
+    *,
+    self_pid: int | None = None,
+    pid_exists: Any = None,
+) -> int | None:
+    """The pid under which NVML (or an OOM message) lists this very process, or None.
+
+    In Docker/Kubernetes without the host pid namespace, NVML reports *host* pids, so this process
+    is listed under a pid that is not ``os.getpid()``. It is recognised when exactly one listed pid
+    does not exist in our pid namespace and holds between ``low`` and ``high`` bytes (what our
+    allocator and CUDA context hold). Two such candidates, or none, give None: never a guess.
+    """
+    me = os.getpid() if self_pid is None else self_pid
+    pairs = list(listed)
+    if any(pid == me for pid, _ in pairs):
+        return me
+    if low is None or high is None or high <= 0:
+        return None
+    exists = pid_exists or _pid_exists_here
+    hits = [pid for pid, used in pairs
+            if used is not None and low <= used <= high and not exists(pid)]
+    return hits[0] if len(hits) == 1 else None

@@ -103,3 +103,14 @@ def test_cpu_reading_is_psutil():
     assert reading.total == psutil.virtual_memory().total
     assert reading.process_used and reading.process_used > 10 * MiB
     assert reading.allocated is None and reading.context is None
+
+
+def test_cuda_reading_states_which_nvml_memory_query_it_used(monkeypatch):
+    # issue 14 point 2 (FAKE NVML): the reading names its query; v1 gets a note on why it differs.
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    gpu = FakeGpu(total=80 * GiB, used=30 * GiB, reserved=512 * MiB)
+    reading = read_device("cuda:0", Nvml(module=FakeNvml([gpu]).module))
+    assert reading.memory_query == "v2" and reading.used == 30 * GiB
+    old = read_device("cuda:0", Nvml(module=FakeNvml([gpu], missing={"nvmlDeviceGetMemoryInfo_v2"}).module))
+    assert old.memory_query == "v1" and old.used == 30 * GiB + 512 * MiB
+    assert any("v1 query" in n for n in old.notes)

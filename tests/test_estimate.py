@@ -155,7 +155,8 @@ def test_tied_weights_count_once_in_every_format(gpt2: dict) -> None:
 
 
 def test_bytes_for_matches_hand_computed_figures(llama: dict) -> None:
-    est = estimate_checkpoint(llama["root"] / "single")
+    # Header arithmetic alone (transformers' rules: tests/test_estimate_rules.py).
+    est = estimate_checkpoint(llama["root"] / "single", follow_transformers=False)
     assert est.bytes_for("float32") == LLAMA_PARAMS * 4 == 427_264
     assert est.bytes_for("bfloat16") == est.bytes_for("float16") == LLAMA_PARAMS * 2 == 213_632
     # int8: 1 byte per Linear weight + a float32 scale per output row; the rest in bfloat16.
@@ -169,11 +170,14 @@ def test_bytes_for_matches_hand_computed_figures(llama: dict) -> None:
 
 
 def test_gpt2_conv1d_weights_are_quantized_and_wte_wpe_are_not(gpt2: dict) -> None:
-    est = estimate_checkpoint(gpt2["root"] / "single")
+    est = estimate_checkpoint(gpt2["root"] / "single", follow_transformers=False)
     linear = 2 * (32 * 96 + 32 * 32 + 32 * 128 + 128 * 32)  # c_attn, attn.c_proj, c_fc, mlp.c_proj
     rows = 2 * (32 + 32 + 32 + 128)  # shape[0] of each
     other = 30720 - linear  # wte, wpe, biases and layer norms
     assert est.bytes_for("int8") == linear + 4 * rows + 2 * other == 38_656
+    # By transformers' rules the scales follow Conv1D's out_features (shape[1]), as bitsandbytes does.
+    out_rows = 2 * (96 + 32 + 128 + 32)
+    assert estimate_checkpoint(gpt2["root"] / "single").bytes_for("int8") == linear + 4 * out_rows + 2 * other
 
 
 @pytest.mark.parametrize(

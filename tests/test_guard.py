@@ -477,14 +477,19 @@ def test_largest_free_block_reads_inactive_blocks_of_one_device():
     assert largest_free_block([], 0) is None
 
 
-def test_cuda_peak_is_reset_only_when_initialized_and_read_after():
+def test_cuda_peak_is_read_without_resetting_the_users_counter():
+    # issue 14 point 6: reset_peak_memory_stats() would clobber the user's max_memory_allocated().
     ready = FakeCuda(initialized=True, peak=30 * MiB)
-    assert cuda_peak_start(FakeTorch(ready), 0) and ready.calls == [("reset", (0,))]
-    peak = cuda_peak_read(FakeTorch(ready), 0, was_initialized=True, allocated_before=10 * MiB)
-    assert (peak.bytes, peak.above_start, peak.measure) == (30 * MiB, 20 * MiB, "allocated")
-    assert "reset" in peak.note
+    mark = cuda_peak_start(FakeTorch(ready), 0)
+    assert mark == 30 * MiB and ready.calls == []  # read, never reset
+    ready.peak = 45 * MiB  # the cell pushed the mark up
+    peak = cuda_peak_read(FakeTorch(ready), 0, True, 10 * MiB, mark, 20 * MiB)
+    assert (peak.bytes, peak.above_start, peak.measure) == (45 * MiB, 35 * MiB, "allocated")
+    assert "never reset" in peak.note and ready.calls == []
+    under = cuda_peak_read(FakeTorch(ready), 0, True, 10 * MiB, 45 * MiB, 20 * MiB)
+    assert under.bytes is None and "earlier allocator peak" in under.note  # unknown, said so
     cold = FakeCuda(initialized=False)
-    assert not cuda_peak_start(FakeTorch(cold), 0) and cold.calls == []  # no context is created
+    assert cuda_peak_start(FakeTorch(cold), 0) is None and cold.calls == []  # no context is created
     assert cuda_peak_read(FakeTorch(cold), 0, False, 0).bytes is None
     cold.initialized, cold.peak = True, 12 * MiB  # CUDA initialized inside the cell
     during = cuda_peak_read(FakeTorch(cold), 0, was_initialized=False, allocated_before=0)

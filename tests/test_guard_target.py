@@ -105,9 +105,10 @@ def test_cpu_rehearsal_that_does_not_fit_prints_options_for_the_target(model_ip,
     assert "  ways to fit on a 1300MiB GPU (sizes for this model; RAM and disk are this machine's):" in out
     assert f"{format_bytes(est.bytes_for('bfloat16'))} on 1300MiB GPU" in out and "dtype=torch.bfloat16" in out
     assert "preflight: line 1 loads to cpu here; --target 1300MiB checked it as if its weights went to that GPU" in out
+    # Said before the cell: it *runs* uncapped (issue 14.5: never "ran" before it ran); the report: it ran.
     assert ("--target 1300MiB: this is cpu, so only the fit check ran against the 1300MiB GPU's 32.00 MiB usable; "
-            "the load itself ran uncapped") in out
-    assert "--target 1300MiB: this is cpu" in str(report)  # the whole story keeps the line
+            "the load itself runs uncapped") in out and "ran uncapped" not in out
+    assert "--target 1300MiB: this is cpu" in str(report) and "the load itself ran uncapped" in str(report)
 
 
 def test_cpu_rehearsal_that_fits_gives_the_margin_there(model_ip, llama, capsys):
@@ -128,9 +129,11 @@ def test_a_known_gpu_keeps_the_headroom_of_its_own_total(model_ip, llama, capsys
     assert check.target == T4 and check.headroom == headroom and check.budget == T4.usable - headroom
     assert check.verdict == "fits" and check.margin == T4.usable - headroom - fp32
     out = capsys.readouterr().out
-    assert (f"on a T4 this load needs {format_bytes(fp32)} of {format_bytes(T4.usable - headroom)} usable "
-            f"({format_bytes(T4.usable)} after its driver and CUDA context − {format_bytes(headroom)} headroom); "
+    # issue 14.9: one usable figure for the target, the same as the rehearsal line's.
+    assert (f"on a T4 this load needs {format_bytes(fp32)} of {format_bytes(T4.usable)} usable (after its driver "
+            f"and CUDA context) − {format_bytes(headroom)} headroom = {format_bytes(T4.usable - headroom)}; "
             f"margin {format_bytes(check.margin)} → fits") in out
+    assert f"the T4's {format_bytes(T4.usable)} usable" in out
     assert report.rehearsal.reason == "not-cuda"
 
 
@@ -181,9 +184,8 @@ def test_guard_load_target_on_cpu_says_nothing_was_capped(capsys):
     report = guard.report
     assert report.outcome == "ok" and report.variable("w").bytes == 4000
     assert (report.rehearsal.target, report.rehearsal.reason, report.rehearsal.checked) == (T4, "not-cuda", False)
-    line = ("--target T4: this is cpu, so nothing was checked against the T4's 14.07 GiB usable; the load itself "
-            "ran uncapped")
-    assert line in capsys.readouterr().out and line in str(report)
+    line = "--target T4: this is cpu, so nothing was checked against the T4's 14.07 GiB usable; the load itself "
+    assert line + "runs uncapped" in capsys.readouterr().out and line + "ran uncapped" in str(report)
 
 
 def test_guard_load_bad_target_is_an_error_naming_the_known_gpus():
@@ -537,3 +539,53 @@ def test_no_other_process_asks_no_server(ip, monkeypatch):
     text, html = snapshot_text(snap), snapshot_html(snap)
     assert snap.reading.processes == () and asked == []
     assert "\nother processes\n" not in text and "<th style='text-align:right'>pid</th>" not in html
+
+
+# --------------------------------------------------------------------------- issue 14.5: the local check applies too
+
+_SMALL_MACHINE = r'''
+import resource, sys
+import psutil, torch
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+from transformers import AutoModelForCausalLM
+
+ip = start_ipython()
+ip.run_line_magic("load_ext", "oom_magic")
+ip.user_ns.update(torch=torch, AutoModelForCausalLM=AutoModelForCausalLM, path=sys.argv[1])
+# A real limit on this process (ulimit -v): 150 MiB more address space than it uses now, so the
+# float32 load (~360 MiB) fits an 80 GiB target but not this "machine".
+vms = psutil.Process().memory_info().vms
+resource.setrlimit(resource.RLIMIT_AS, (vms + 150 * 2**20, resource.RLIM_INFINITY))
+try:
+    ip.run_cell_magic("guardload", "--strict --target H100-80GB --headroom 0",
+                      "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)")
+    print("RAN", "model" in ip.user_ns)
+except UsageError as exc:
+    print("REFUSED", exc)
+'''
+
+
+@pytest.fixture(scope="module")
+def mid_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real Llama of ~360 MiB in float32, saved as bfloat16 safetensors."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("target") / "mid"
+    LlamaForCausalLM(LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
+                                 num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+                     ).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def test_strict_target_refuses_a_load_this_machine_cannot_hold_and_says_which(mid_llama, tmp_path):
+    script = tmp_path / "small_machine.py"
+    script.write_text(_SMALL_MACHINE)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, str(script), str(mid_llama)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    out = done.stdout
+    assert "REFUSED" in out, out + done.stderr[-2000:]
+    assert "fits on an H100-80GB" in out or "fits on H100-80GB" in out
+    assert "will not fit on this machine (RAM), where the cell runs" in out
+    assert "and here (RAM, where the cell runs)" in out and "WILL NOT FIT" in out  # the preflight said both
+    assert "ran uncapped" not in out

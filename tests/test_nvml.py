@@ -459,3 +459,21 @@ def test_torch_pci_bus_id_wins_over_the_visible_list(nvml: Nvml) -> None:
     assert nvml_device_for_torch(nvml, 0, "0000:0b:00.0", cuda_visible_devices=MIG_B) == MIGB
     assert nvml_device_for_torch(nvml, 0, "0000:99:00.0", cuda_visible_devices=None) is None
     assert nvml_device_for_torch(nvml, 1, "not-a-bus-id", cuda_visible_devices=None) == MIGA
+
+
+def test_memory_is_read_with_the_v2_query_and_says_so() -> None:
+    # issue 14 point 2 (FAKE NVML, real shapes): v2's used excludes the driver's reserved memory,
+    # as nvidia-smi prints it; v1 (deprecated) folds reserved into used.
+    gpu = FakeGpu(total=80 * GiB, used=30 * GiB, reserved=512 * MiB)
+    [device] = Nvml(module=FakeNvml([gpu]).module).devices()
+    assert device.memory_query == "v2"
+    assert (device.used, device.reserved, device.free) == (30 * GiB, 512 * MiB, 80 * GiB - 30 * GiB - 512 * MiB)
+
+
+def test_memory_falls_back_to_v1_on_an_old_driver_and_says_so() -> None:
+    gpu = FakeGpu(total=80 * GiB, used=30 * GiB, reserved=512 * MiB)
+    nvml = Nvml(module=FakeNvml([gpu], missing={"nvmlDeviceGetMemoryInfo_v2"}).module)
+    [device] = nvml.devices()
+    assert device.memory_query == "v1" and device.reserved is None
+    assert device.used == 30 * GiB + 512 * MiB  # v1: reserved counts as used
+    assert nvml.errors == {}  # an old driver is an answer, not a failure

@@ -580,3 +580,15 @@ def test_fuzz_wrapping_and_surrounding_text_change_nothing(
     wrapped = "\n".join(lines)
 
     assert parse_oom_message(before + "\n" + wrapped + "\n" + after) == parse_oom_message(message)
+
+
+def test_xpu_message_without_free_reads_every_field_present() -> None:
+    # issue 14 point 8, from Intel's XPU allocator (c10/xpu/XPUCachingAllocator.cpp): no "free" field.
+    text = ("torch.OutOfMemoryError: XPU out of memory. Tried to allocate 20.00 GiB (GPU 0; 15.56 GiB total "
+            "capacity; 176.00 MiB already allocated; 176.00 MiB reserved in total by PyTorch)")
+    got = parse_oom_message(text)
+    assert got is not None and got.backend == "xpu" and got.device_index == 0
+    assert got.requested == 20 * 2**30
+    assert got.total == gib("15.56") and got.allocated == 176 * 2**20
+    assert got.reserved_total == 176 * 2**20 and got.reserved_unallocated == 0
+    assert got.free is None  # absent, not 0

@@ -199,7 +199,9 @@ def test_fits_on_cpu_with_the_real_estimate(models):
     (check,) = result.checks
     assert check.verdict == "fits" and result.fits is True
     assert check.device == "cpu" and check.need == est.bytes_for("bfloat16") and check.dtype == "bfloat16"
-    assert check.budget == 9 * 2**20 and check.margin == 9 * 2**20 - est.bytes_for("bfloat16")
+    # issue 14.4: the cast reads the float32 file beside the new bfloat16 copy: RAM peaks at both.
+    assert check.ram_peak == est.bytes_for("bfloat16") + est.stored_bytes
+    assert check.budget == 9 * 2**20 and check.margin == 9 * 2**20 - check.ram_peak
     assert check.parameters == est.parameters == 106_816
     assert check.options == ()
     assert "fits, " in preflight_text(result) and format_bytes(check.margin) in preflight_text(result)
@@ -291,8 +293,9 @@ def _codes(result) -> list[str]:
 
 def test_torch_load_lints_fire(models):
     result = preflight_check("import torch\nck = torch.load(p)", {"p": str(models["train"])}, free_bytes=10**9)
-    assert _codes(result) == ["map-location", "weights-only", "training-checkpoint"]
-    assert "saved from cpu" in result.lint("map-location").message
+    # issue 14.9: every storage was saved from cpu, so without map_location it comes back to the cpu:
+    # no map-location lint (it fired here before).
+    assert _codes(result) == ["weights-only", "training-checkpoint"]
     assert result.lint("weights-only").severity == "info"  # torch >= 2.6 defaults to weights_only=True
     training = result.lint("training-checkpoint")
     sizes = dict(training.sizes)

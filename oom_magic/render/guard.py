@@ -194,11 +194,14 @@ def _check_lines(check: FitCheck) -> list[str]:
         if check.context:
             head += f" − {format_bytes(check.context)} CUDA context (estimate; not initialized yet)"
         head += f" − {format_bytes(check.headroom)} headroom = {format_bytes(check.budget)}"
+    if check.ram_peak is not None:  # the load's own peak, above the weights it keeps
+        head += f" (while loading, RAM peaks at {format_bytes(check.ram_peak)}: copies beside the file pages read)"
+    needs = format_bytes(max(check.need or 0, check.ram_peak or 0))
     if check.verdict == "fits":
         lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare")
     else:
         short = -(check.margin or 0)
-        lines.append(f"{head} → WILL NOT FIT: needs {format_bytes(check.need)}, {format_bytes(short)} short")
+        lines.append(f"{head} → WILL NOT FIT: needs {needs}, {format_bytes(short)} short")
     if check.options:
         lines.append("  ways to fit (sizes for this model on this machine):")
         place = check.device if check.device != "auto" else next(
@@ -215,17 +218,33 @@ def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
         places = " + ".join(f"{format_bytes(b)} {'RAM' if d == 'cpu' else d if d == 'disk' else 'on the ' + place}"
                             for d, b in check.split)
         head += f" with device_map=\"auto\" ({places}; RAM and disk are this machine's)"
-    else:
-        head += (f" ({format_bytes(target.usable)} after its driver and CUDA context − "
-                 f"{format_bytes(check.headroom)} headroom)" if check.headroom else " (after its driver and CUDA context)")
+    # One usable figure, the target's, everywhere (the rehearsal line names the same one).
+    if not check.split:
+        head = f"  on {label} this load needs {format_bytes(check.need)} of {format_bytes(target.usable)} usable"
+        head += (f" (after its driver and CUDA context) − {format_bytes(check.headroom)} headroom = "
+                 f"{format_bytes(check.budget)}" if check.headroom else " (after its driver and CUDA context)")
     if check.verdict == "fits":
         lines = [f"{head}; margin {format_bytes(check.margin)} → fits"]
     else:
         lines = [f"{head} → WILL NOT FIT: {format_bytes(-(check.margin or 0))} short"]
+    if check.local is not None:
+        lines.append(_local_line(check.local))
     if check.options:
         lines.append(f"  ways to fit on {label} (sizes for this model; RAM and disk are this machine's):")
         lines += _table(option_rows(check.options, place), "    ")
     return lines + _offload_lines(check)
+
+
+def _local_line(local: FitCheck) -> str:
+    """--target: the same load against this machine, where the cell really runs."""
+    where = "RAM" if local.device == "cpu" else local.device
+    if local.verdict == "unknown":
+        return f"  and here ({where}): not checked: {local.reason}"
+    budget = f"{format_bytes(local.budget)} usable after headroom"
+    if local.verdict == "fits":
+        return f"  and here ({where}, where the cell runs): {budget} → fits, {format_bytes(local.margin)} to spare"
+    return (f"  and here ({where}, where the cell runs): {budget} → WILL NOT FIT: needs {format_bytes(local.need)}, "
+            f"{format_bytes(-(local.margin or 0))} short")
 
 
 def _offload_lines(check: FitCheck) -> list[str]:
@@ -254,12 +273,19 @@ def preflight_text(preflight: Preflight) -> str:
 def refusal_line(preflight: Preflight) -> str:
     """One line for --strict: which load will not fit, by how much, and the first option that fits."""
     check = preflight.will_not_fit[0]
+    local = check.local if check.local is not None and check.local.verdict == "will-not-fit" else None
+    if check.verdict != "will-not-fit" and local is not None:  # --target: fits there, not here
+        return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
+                f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: needs "
+                f"{format_bytes(local.need)}, {format_bytes(-(local.margin or 0))} short")
     short = -(check.margin or 0)
     first = next((o for o in check.options if o.fits), None)
     hint = f"; {_OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
     where = target_label(check.target) if check.target is not None else check.device
+    both = (f"; nor on this machine ({'RAM' if local.device == 'cpu' else local.device}): "
+            f"{format_bytes(-(local.margin or 0))} short" if local is not None else "")
     return (f"--strict: line {check.call.line} will not fit on {where}: needs {format_bytes(check.need)}, "
-            f"{format_bytes(short)} short{hint}")
+            f"{format_bytes(short)} short{both}{hint}")
 
 
 def preflight_html(preflight: Preflight) -> str:
@@ -288,7 +314,8 @@ def _process_line(p, kernel: tuple[int, str | None, str] | None = None) -> str:
         return text + f" → another kernel of yours: shut it down (its notebook: Kernel ▸ Shut Down Kernel) or `kill {p.pid}`"
     if p.name:
         return text + f" → stop it if you do not need it: `kill {p.pid}`"
-    return text + f" → `nvidia-smi` shows it; `kill {p.pid}` if it is yours"
+    # Not described here (exited, or a host pid seen from a container): never advise killing it.
+    return text + " → not visible from this process (a host pid, in a container?): check `nvidia-smi` on the host"
 
 
 def cause_text(cause: Cause, device: str = "the device", target: Target | None = None) -> str:
@@ -474,8 +501,11 @@ def short_message(report: GuardReport) -> str:
 # --------------------------------------------------------------------------- the report
 
 
-def rehearsal_line(rehearsal: Rehearsal) -> str:
-    """One line: how --target was rehearsed here (capped, or the fit check only and why)."""
+def rehearsal_line(rehearsal: Rehearsal, *, before: bool = False) -> str:
+    """One line: how --target was rehearsed here (capped, or the fit check only and why).
+
+    ``before``: said before the cell runs, so the uncapped load is announced, not reported.
+    """
     r = rehearsal
     t = r.target
     usable = f"the {target_place(t)}'s {format_bytes(t.usable)} usable"
@@ -500,7 +530,7 @@ def rehearsal_line(rehearsal: Rehearsal) -> str:
                                  f"(--device {r.device}) to rehearse the load itself"),
         "cap-failed": f"could not cap {r.device} ({r.error}); {checked}",
     }.get(r.reason or "", checked)
-    return f"{head}{why}; the load itself ran uncapped"
+    return f"{head}{why}; the load itself {'runs' if before else 'ran'} uncapped"
 
 
 def _variable_line(v: VariableUse) -> str:

@@ -98,6 +98,11 @@ def free_report_text(report: FreeReport) -> str:
     lines.append(f"{verb} {format_bytes(report.freed_bytes)} on {report.device}"
                  + (" (" + ", ".join(f"{k} {format_bytes(b)}" for k, b in report.freed_by_kind if b) + ")"
                     if any(b for _, b in report.freed_by_kind) else ""))
+    back = report.resident_freed
+    if back is not None and report.freed_bytes and back < report.freed_bytes:
+        # cpu: weights mapped from a safetensors file were never resident; say what really came back.
+        lines.append(f"resident memory that came back: {format_bytes(max(back, 0))} of those "
+                     f"{format_bytes(report.freed_bytes)} (the rest was mapped from a file, or the C allocator keeps it)")
     for held in report.still_held:
         lines.append(held.sentence())
     before, after = report.before, report.after

@@ -1,7 +1,11 @@
 """FAKE pynvml module: stands in for absent NVIDIA hardware; value shapes copied from real nvidia-ml-py 13 return types.
 
 This is a fake, for tests only. It mirrors what nvidia-ml-py 13.x (``pynvml.py``) hands back:
-- ``nvmlDeviceGetMemoryInfo`` -> a ctypes structure with int ``.total/.free/.used`` (c_nvmlMemory_t);
+- ``nvmlDeviceGetMemoryInfo(handle)`` -> a ctypes structure with int ``.total/.free/.used``
+  (c_nvmlMemory_t, v1: ``used`` includes the driver's reserved memory on R510+ drivers);
+  ``nvmlDeviceGetMemoryInfo(handle, version=nvmlMemory_v2)`` -> c_nvmlMemory_v2_t with
+  ``.version/.total/.reserved/.free/.used`` (``used`` excludes ``reserved``, as nvidia-smi prints);
+  a driver without ``nvmlDeviceGetMemoryInfo_v2`` (``missing=``) raises FUNCTION_NOT_FOUND;
 - ``nvmlDeviceGetPciInfo`` -> a structure with ``.busIdLegacy`` and ``.busId`` (nvmlPciInfo_t),
   str in nvidia-ml-py >= 11.5, bytes in older releases (``FakeNvml(strings_as_bytes=True)``);
 - ``nvmlDeviceGetComputeRunningProcesses`` / ``...Graphics...`` (the v3 call behind the
@@ -90,6 +94,7 @@ class FakeMig:
     name: str = "NVIDIA A100-SXM4-80GB MIG 3g.40gb"
     total: int = 40 * GiB
     used: int = 0
+    reserved: int = 0  # the driver's reserved memory (v2's ``reserved``; v1 folds it into ``used``)
     gpu_instance_id: int = 1
     compute_instance_id: int = 0
     processes: list[tuple[int, int | None]] = field(default_factory=list)
@@ -103,6 +108,7 @@ class FakeGpu:
     name: str = "NVIDIA A100-SXM4-80GB"
     total: int = 80 * GiB
     used: int = 0
+    reserved: int = 0  # the driver's reserved memory (v2's ``reserved``; v1 folds it into ``used``)
     uuid: str = "GPU-00000000-0000-0000-0000-000000000000"
     bus_id: str = "00000000:07:00.0"
     processes: list[tuple[int, int | None]] = field(default_factory=list)
@@ -125,6 +131,19 @@ class _Struct(ctypes.Structure):
 
 class c_nvmlMemory_t(_Struct):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+class c_nvmlMemory_v2_t(_Struct):
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("total", ctypes.c_ulonglong),
+        ("reserved", ctypes.c_ulonglong),
+        ("free", ctypes.c_ulonglong),
+        ("used", ctypes.c_ulonglong),
+    ]
+
+
+nvmlMemory_v2 = 0x02000028  # nvidia-ml-py's version tag for c_nvmlMemory_v2_t
 
 
 class nvmlPciInfo_t(_Struct):
@@ -209,6 +228,7 @@ class FakeNvml:
         module.NVML_DEVICE_MIG_ENABLE = NVML_DEVICE_MIG_ENABLE
         module.NVML_DEVICE_PCI_BUS_ID_FMT = NVML_DEVICE_PCI_BUS_ID_FMT
         module.nvmlFriendlyObject = nvmlFriendlyObject
+        module.nvmlMemory_v2 = nvmlMemory_v2
 
         class NVMLError(Exception):
             _valClassMapping: dict[int, type] = {}
@@ -364,9 +384,14 @@ class FakeNvml:
         info.domain, info.bus, info.device = domain, bus, device
         return info
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> c_nvmlMemory_t:
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> Any:
         owner: FakeGpu | FakeMig = handle.mig or handle.gpu
-        return c_nvmlMemory_t(owner.total, owner.total - owner.used, owner.used)
+        free = owner.total - owner.used - owner.reserved
+        if not version:
+            return c_nvmlMemory_t(owner.total, free, owner.used + owner.reserved)
+        if "nvmlDeviceGetMemoryInfo_v2" in self.missing:  # the driver predates the v2 symbol
+            raise self._error(NVML_ERROR_FUNCTION_NOT_FOUND)
+        return c_nvmlMemory_v2_t(version, owner.total, owner.reserved, free, owner.used)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[Any]:
         return self._versioned("nvmlDeviceGetComputeRunningProcesses", handle, graphics=False)

@@ -2,7 +2,10 @@
 
 Ground truth is read straight from PyTorch (``torch.cuda.memory_allocated`` and friends, the
 allocator's own ``memory_snapshot``) and from NVML through ``pynvml`` itself, never through
-oom-magic's code, so a check compares our figures with independent ones.
+oom-magic's figures, so a check compares our figures with independent ones. *Which* NVML device
+is torch's ``cuda:N`` is the one thing taken from the package (``oom_magic.nvml``): on a MIG
+instance or with CUDA_VISIBLE_DEVICES remapped, NVML index 0 or the parent GPU's PCI handle is
+the wrong device, and the suite must fail only for the package's own mistakes.
 
 Importing this module imports neither torch nor IPython (the runner imports it to probe for a
 GPU); every function that needs torch takes it as an argument or imports it inside.
@@ -90,13 +93,20 @@ def probe_cuda(timeout: float = 180.0) -> dict[str, Any]:
 
 
 def nvml_processes() -> dict[int, int | None]:
-    """Every process NVML lists on any GPU: pid -> device bytes (None where NVML cannot say)."""
+    """Every process NVML lists on any GPU or MIG instance: pid -> device bytes (None where NVML cannot say).
+
+    A GPU in MIG mode lists its processes without bytes: each MIG instance's own handle gives them.
+    """
     import pynvml
+    from oom_magic.nvml import Nvml
 
     pynvml.nvmlInit()
+    nvml = Nvml(module=pynvml)
     found: dict[int, int | None] = {}
-    for index in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    for device in nvml.devices():
+        handle = None if device.mig_enabled else nvml.handle(device)
+        if handle is None:
+            continue
         for listing in (pynvml.nvmlDeviceGetComputeRunningProcesses,
                         pynvml.nvmlDeviceGetGraphicsRunningProcesses):
             try:
@@ -159,33 +169,39 @@ def run_fresh(code: str, *, env: dict[str, str] | None = None, timeout: float = 
 
 
 def nvml_handle(torch: Any, index: int = 0) -> Any:
-    """pynvml's handle for torch's ``cuda:index``: by PCI bus id, else by UUID, else NVML index 0."""
+    """pynvml's handle for torch's ``cuda:index``, found as the package finds it.
+
+    ``oom_magic.nvml.nvml_device_for_torch``: the PCI bus id when CUDA is initialized, else
+    CUDA_VISIBLE_DEVICES (indices, GPU/MIG UUIDs); a GPU in MIG mode is its MIG instance.
+    """
     import pynvml
+    from oom_magic.nvml import Nvml, format_pci_bus_id, nvml_device_for_torch
 
     pynvml.nvmlInit()
-    props = torch.cuda.get_device_properties(index)
-    parts = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
-    if all(isinstance(p, int) for p in parts):
-        try:
-            return pynvml.nvmlDeviceGetHandleByPciBusId(f"{parts[0]:08X}:{parts[1]:02X}:{parts[2]:02X}.0")
-        except pynvml.NVMLError:
-            pass
-    uuid = str(getattr(props, "uuid", "") or "").lower().removeprefix("gpu-")
-    if uuid:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            text = pynvml.nvmlDeviceGetUUID(handle)
-            text = text.decode() if isinstance(text, bytes) else str(text)
-            if text.lower().removeprefix("gpu-") == uuid:
-                return handle
-    return pynvml.nvmlDeviceGetHandleByIndex(0)
+    nvml = Nvml(module=pynvml)
+    bus = None
+    if torch.cuda.is_initialized():
+        props = torch.cuda.get_device_properties(index)
+        parts = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+        if all(isinstance(p, int) for p in parts):
+            bus = format_pci_bus_id(*parts)
+    device = nvml_device_for_torch(nvml, index, bus)
+    handle = None if device is None else nvml.handle(device)
+    if handle is None:
+        raise AssertionError(f"NVML has no device for cuda:{index} (CUDA_VISIBLE_DEVICES="
+                             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): {nvml.errors_text()}")
+    return handle
 
 
 def nvml_memory(torch: Any, index: int = 0) -> dict[str, int]:
-    """NVML's total/free/used (``nvmlDeviceGetMemoryInfo``) for torch's ``cuda:index``."""
+    """NVML's total/free/used for torch's ``cuda:index``: the v2 query (nvidia-smi's figures), else v1."""
     import pynvml
 
-    info = pynvml.nvmlDeviceGetMemoryInfo(nvml_handle(torch, index))
+    handle = nvml_handle(torch, index)
+    try:
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    except (pynvml.NVMLError, AttributeError, TypeError):
+        info = pynvml.nvmlDeviceGetMemoryInfo(handle)
     return {"total": int(info.total), "free": int(info.free), "used": int(info.used)}
 
 

@@ -18,8 +18,10 @@ pytestmark = pytest.mark.gpu
 
 CHILD = r'''
 import pynvml
+from oom_magic.nvml import Nvml, visible_nvml_devices  # the package's identity of cuda:0 (MIG, remaps)
 pynvml.nvmlInit()
-handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+_nvml = Nvml(module=pynvml)
+handle = _nvml.handle(visible_nvml_devices(_nvml)[0])
 def used():
     return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
 
