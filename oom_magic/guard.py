@@ -767,6 +767,8 @@ class GuardedLoad:
 
             raise GuardRefused(refusal_line(self.preflight))
         self.snapshot_note = self._start_snapshot()
+        if self.snapshot_note:  # --snapshot that records nothing says so before the cell, not only in the report
+            self._say(self.snapshot_note, always=True)
         if self.target is not None:
             self._plan_rehearsal()
         self.variables_before: dict[str, _VarBytes] = {}

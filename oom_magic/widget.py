@@ -171,6 +171,7 @@ class CellWatch:
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
         self.scan_cost = ScanCost()  # decides between a full scan and the quick view after a cell
         self.enabled = True
+        self.hushed = False  # %%guardload --quiet: no widget under the running cell (its change is still recorded)
         self.warned_static = False  # "no ipywidgets" is said once, not under every cell
         self.live: list[MemoryWidget] = []
         self.pinned: MemoryWidget | None = None
@@ -207,6 +208,7 @@ class CellWatch:
     # -- hooks -----------------------------------------------------------------------------------
     def pre_run_cell(self, info: ExecutionInfo | None = None) -> None:
         """Read the device before a cell (microseconds; nothing when torch is not imported)."""
+        self.hushed = False
         if not self.enabled:
             return
         try:
@@ -234,7 +236,7 @@ class CellWatch:
         change = self.watcher.after_cell(result.execution_count, result.error_in_exec, self.shell.user_ns,
                                          Thresholds(settings.gpu_change_threshold, settings.cpu_change_threshold),
                                          source=getattr(info, "raw_cell", None))
-        if change is None:
+        if change is None or self.hushed:
             return
         mode = settings.auto_display
         wanted = change.changed or change.oom or mode == "always"

@@ -196,7 +196,10 @@ def test_cell_runs_in_the_user_namespace_and_reports_new_tensors(torch_ip):
     assert report.variable("y") is None  # no device memory
     assert report.tensor_delta == 4_000_000
     assert report.peak.above_start is not None and report.peak.above_start >= 0
-    assert "x: 3.81 MiB float32 on cpu (new)" in repr_pretty(report)
+    from oom_magic.render.guard import run_summary_text
+
+    assert "x: 3.81 MiB float32 on cpu (new)" in run_summary_text(report)
+    assert "\n" not in repr_pretty(report)  # --quiet: the report shows as its one summary line
 
 
 def repr_pretty(obj: object) -> str:

@@ -111,7 +111,7 @@ def payload_session(ip) -> Any:
 
 
 def test_gpumem_html_keeps_names_inert(payload_session) -> None:
-    snap = payload_session.run_line_magic("gpumem", "--all")
+    snap = payload_session.run_line_magic("gpumem", "-o --all")
     paths = {g.path for g in snap.holders()}
     assert f"globals()[{IMG!r}]" in paths and f"net.{IMG}.weight" in paths and f"cache[{SCRIPT!r}]" in paths
     assert_inert(snap._repr_html_(), IMG, SCRIPT, f"net.{BREAKOUT}.weight", f"net.{SCRIPT}", "buf")
@@ -142,7 +142,7 @@ def _every_widget_html(widget: Any) -> list[str]:
 
 def test_the_widget_keeps_names_inert(payload_session) -> None:
     ip = payload_session
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     ip.run_cell(f"globals()[{IMG!r} + '2'] = torch.ones(4096)\ntorch.ones(128) * 2", store_history=True)
     widget = magics(ip).cell_watch.live[-1]
     assert widget.report.snapshot.stale_bytes == 512
@@ -160,7 +160,7 @@ def test_the_widget_keeps_names_inert(payload_session) -> None:
 def test_the_static_view_keeps_names_inert(payload_session) -> None:
     ip = payload_session
     magics(ip).live_widgets = 0
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     with capture_output() as shown:
         ip.run_cell(f"globals()[{SCRIPT!r} + '2'] = torch.ones(4096)", store_history=True)
     htmls = [o.data["text/html"] for o in shown.outputs if "text/html" in o.data]
@@ -188,7 +188,7 @@ def test_process_names_stay_inert(ip, monkeypatch, payload_process) -> None:
     gpu = FakeGpu(used=5 * GiB, processes=[(payload_process.pid, 3 * GiB), (os.getpid(), 2 * GiB)])
     monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))  # FAKE NVML, real pids
     ip.run_cell("import torch", store_history=True)
-    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     (other,) = snap.reading.processes
     assert (other.pid, other.name, other.used_bytes) == (payload_process.pid, IMG, 3 * GiB)
     assert_inert(snap._repr_html_(), IMG)
@@ -255,7 +255,7 @@ def test_an_out_of_memory_message_stays_inert_in_the_guard_report(ip) -> None:
 
 def test_an_out_of_memory_message_stays_inert_in_the_widget(ip) -> None:
     ip.run_cell("import torch", store_history=True)
-    ip.run_line_magic("gpumem", "--auto changes")
+    ip.run_line_magic("gpumem", "-o --auto changes")
     with capture_output():
         ip.run_cell(f"raise RuntimeError({OOM_WITH_PAYLOADS!r})", store_history=True)
     widget = magics(ip).cell_watch.live[-1]
@@ -265,7 +265,7 @@ def test_an_out_of_memory_message_stays_inert_in_the_widget(ip) -> None:
 
 
 def test_a_failing_button_shows_the_error_inert(ip) -> None:
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     ip.run_cell("import torch\nx = torch.ones(8 << 20)", store_history=True)
     widget = magics(ip).cell_watch.live[-1]
 

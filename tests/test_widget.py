@@ -173,7 +173,7 @@ def test_an_out_of_memory_cell_always_gets_the_widget(ip, watch) -> None:
 
 def test_auto_modes(ip, watch) -> None:
     magics = ip.magics_manager.registry["OomMagics"]
-    status = ip.run_line_magic("gpumem", "--auto off")
+    status = ip.run_line_magic("gpumem", "-o --auto off")
     assert status.mode == "off" and magics.auto_display == "off"
     assert "after-cell memory view: off" in str(status)
     recorded = len(watch.watcher.history)
@@ -181,18 +181,18 @@ def test_auto_modes(ip, watch) -> None:
     assert watch.live == [] and len(watch.watcher.history) == recorded + 1  # history still kept
     run(ip, "torch.empty(1 << 50, dtype=torch.uint8)")
     assert watch.live == []  # off means off, out-of-memory cells included
-    ip.run_line_magic("gpumem", "--auto ALWAYS")
+    ip.run_line_magic("gpumem", "-o --auto ALWAYS")
     assert magics.auto_display == "always"
     run(ip, "y = 1")
     assert len(watch.live) == 1
     ip.run_line_magic("config", "OomMagics.auto_display = 'off'")
     assert magics.auto_display == "off"
     with pytest.raises(UsageError, match="invalid choice"):
-        ip.run_line_magic("gpumem", "--auto sometimes")
+        ip.run_line_magic("gpumem", "-o --auto sometimes")
 
 
 def test_pin_shows_one_live_widget_that_follows_the_cells(ip, watch) -> None:
-    status = ip.run_line_magic("gpumem", "--pin")
+    status = ip.run_line_magic("gpumem", "-o --pin")
     assert status.pinned and "pinned widget" in str(status)
     pinned = watch.pinned
     assert pinned is not None and pinned.caption.value.startswith("cpu · ")
@@ -203,7 +203,7 @@ def test_pin_shows_one_live_widget_that_follows_the_cells(ip, watch) -> None:
     assert "variables +64.00 MiB" in pinned.caption.value
     run(ip, "y = 1")
     assert pinned.caption.value.startswith(f"In [{count}] · ")  # nothing changed: left as it was
-    ip.run_line_magic("gpumem", "--auto changes")
+    ip.run_line_magic("gpumem", "-o --auto changes")
     assert watch.pinned is None and pinned.closed
 
 
