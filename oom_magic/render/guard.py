@@ -442,11 +442,12 @@ def give_back_line(give_back: GiveBack, device: str) -> str:
 
 
 def retry_line(verdict: RetryVerdict | None, number: int, total: int) -> str:
-    """What the guard does after a failed attempt when retries are allowed."""
+    """What the guard does after a failed attempt (the figures are in the diagnosis's retry line just above)."""
     if verdict is not None and verdict.can_fit:
-        return (f"retry {number + 1} of {total}: {format_bytes(verdict.free_now)} is free now and the cell needs at "
-                f"least {format_bytes(verdict.need)} — running it again")
-    return "no retry: " + (retry_text(verdict).removeprefix("retry: ") if verdict else "no diagnosis")
+        return f"→ retry {number + 1} of {total}: running the cell again"
+    if verdict is None:
+        return "→ no retry: no diagnosis to say a retry would fit"
+    return "→ no retry"
 
 
 def short_message(report: GuardReport) -> str:
