@@ -234,3 +234,27 @@ def test_a_syntax_error_in_a_guarded_cell_shows_as_a_plain_cells(ip):
     with capture_output() as indented:
         ip.run_cell("%%guardload --device cpu\nif True:\nprint(1)\n", store_history=True)
     assert "IndentationError: expected an indented block after 'if' statement on line 2" in indented.stdout + indented.stderr
+
+
+def test_freeall_on_cpu_reports_this_processs_resident_memory(ip):
+    ok(ip, "import torch")
+    ok(ip, "torch.ones(16 << 20)")  # 64 MiB kept only by Out[N]: above glibc's mmap ceiling, so freeing unmaps it
+    with capture_output() as cap:
+        ok(ip, "%freeall --device cpu")
+    text = cap.stdout
+    line = next(x for x in text.splitlines() if x.startswith("cpu: "))
+    assert line.startswith("cpu: this process's resident memory ") and " → " in line
+    assert " used" not in line  # not the machine's total, which other processes move
+    report = ip.run_line_magic("freeall", "--device cpu --dry-run")
+    assert report.before.process_used is not None
+    ok(ip, "torch.ones(16 << 20)")
+    freed = ip.run_line_magic("freeall", "--device cpu")
+    assert freed.freed_bytes == 64 * MiB
+    assert freed.after.process_used <= freed.before.process_used - 48 * MiB  # the resident set fell by the tensor
+    assert f"{_fmt(freed.before.process_used)} → {_fmt(freed.after.process_used)}" in str(freed)
+
+
+def _fmt(nbytes: int) -> str:
+    from oom_magic.render.units import format_bytes
+
+    return format_bytes(nbytes)
