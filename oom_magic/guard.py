@@ -727,6 +727,10 @@ class GuardedLoad:
 
     # ----------------------------------------------------------------- steps
     def _say(self, text: str, *, always: bool = False) -> None:
+        if text and current_shell() is None:  # a script: no magics or cells to point at
+            from .render.guard import script_wording
+
+            text = script_wording(text)
         if text and (always or not self.quiet):
             print(text, file=self.out if self.out is not None else sys.stdout, flush=True)
 

@@ -58,7 +58,7 @@ def run_fit(*args: str, hf_home: Path | None = None) -> subprocess.CompletedProc
 
 
 def test_a_folder_that_fits_exits_0_with_the_guard_text(models):
-    done = run_fit(str(models["base"] / "single"), "--device", "cpu")
+    done = run_fit(str(models["base"] / "single"), "--device", "cpu", "--headroom", "0")
     assert done.returncode == 0, done.stderr
     assert f"{models['params']:,} parameters" in done.stdout
     assert "preflight (line 1) → model: AutoModelForCausalLM.from_pretrained(" in done.stdout
@@ -104,26 +104,26 @@ def test_sharded_index_and_its_folder(models):
     shards = len(list(folder.glob("*.safetensors")))
     assert shards > 1
     for path in (folder, index):
-        data = json.loads(run_fit(str(path), "--device", "cpu", "--json").stdout)
+        data = json.loads(run_fit(str(path), "--device", "cpu", "--headroom", "0", "--json").stdout)
         assert data["checks"][0]["files"] == shards
         assert data["checks"][0]["parameters"] == models["params"]
 
 
 def test_bin_and_pt_files(models):
-    data = json.loads(run_fit(str(models["base"] / "weights.bin"), "--device", "cpu", "--json").stdout)
+    data = json.loads(run_fit(str(models["base"] / "weights.bin"), "--device", "cpu", "--headroom", "0", "--json").stdout)
     assert data["checks"][0]["parameters"] == models["params"] and data["fits"] is True
     assert data["checks"][0]["source"].startswith("torch.load(")
-    done = run_fit(str(models["base"] / "small.pt"), "--device", "cpu", "--dtype", "float32")
+    done = run_fit(str(models["base"] / "small.pt"), "--device", "cpu", "--headroom", "0", "--dtype", "float32")
     assert done.returncode == 0, done.stderr
     assert "32.00 KiB as float32" in done.stdout  # 8192 fp16 values (16 KiB) cast to fp32
 
 
 def test_a_cached_hub_id_resolves_offline(models):
-    done = run_fit("tiny-org/tiny-llama", "--device", "cpu", "--json", hf_home=models["home"])
+    done = run_fit("tiny-org/tiny-llama", "--device", "cpu", "--headroom", "0", "--json", hf_home=models["home"])
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
     assert data["checks"][0]["parameters"] == models["params"]
-    missing = run_fit("tiny-org/not-cached", "--device", "cpu", hf_home=models["home"])
+    missing = run_fit("tiny-org/not-cached", "--device", "cpu", "--headroom", "0", hf_home=models["home"])
     assert missing.returncode == 2 and missing.stdout == ""
     assert len(missing.stderr.strip().splitlines()) == 1
     assert "hub cache has no snapshot" in missing.stderr and "Hugging Face cache" in missing.stderr
@@ -135,7 +135,7 @@ def test_a_cached_hub_id_resolves_offline(models):
     (["{single}", "--dtype", "int3"], "unknown dtype 'int3': use one of float32, float16, bfloat16"),
     (["{single}", "--quantization", "int2"], "unknown quantization 'int2': use one of int8, nf4, fp4"),
     (["{single}", "--headroom", "lots"], "cannot read headroom 'lots'"),
-    (["{single}", "--device", "cpu", "--target", "T4"], "not allowed with argument"),
+    (["{single}", "--device", "cpu", "--headroom", "0", "--target", "T4"], "not allowed with argument"),
     (["{bin}", "--quantization", "int8"], "pass the folder that holds it"),
     (["{single}", "--device", "cuda:0"], "pass --target GPU"),  # this machine has no GPU: nothing to check
     ([], "the following arguments are required: CHECKPOINT"),
@@ -171,11 +171,11 @@ def test_console_script_points_at_main():
 
 def test_fit_check_from_python_is_the_guard_record(models):
     path = str(models["base"] / "single")
-    record = oom_magic.fit_check(path, device="cpu", headroom="1GiB")
+    record = oom_magic.fit_check(path, device="cpu", headroom="1MiB")
     cell = "model = AutoModelForCausalLM.from_pretrained(p, device_map='cpu')"
-    guard = preflight_check(cell, {"p": path}, headroom="1GiB")
+    guard = preflight_check(cell, {"p": path}, headroom="1MiB")
     assert isinstance(record, oom_magic.Preflight) and record.fits is True
-    assert record.checks[0].need == guard.checks[0].need and record.checks[0].headroom == 2**30
+    assert record.checks[0].need == guard.checks[0].need and record.checks[0].headroom == 2**20
     # code is checked as written, names resolved against the namespace given
     from_code = oom_magic.fit_check(cell, namespace={"p": path}, target="T4")
     assert from_code.checks[0].target is not None and from_code.checks[0].need == guard.checks[0].need

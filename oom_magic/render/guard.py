@@ -6,6 +6,7 @@ call source) is escaped in the HTML forms.
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 from typing import TYPE_CHECKING, Iterable
 
@@ -585,3 +586,27 @@ def guard_report_html(report: GuardReport) -> str:
     head = run_summary_text(r).splitlines()[0]
     return (f"<div class='oom-guard'><b>{escape(head)}</b>{table}"
             f"<details><summary>details</summary><pre>{escape(guard_report_text(r))}</pre></details></div>")
+
+
+# --------------------------------------------------------------------------- outside IPython
+
+_SCRIPT_WORDS = (
+    (re.compile(r"%freeall (\S+(?: \S+)*)  \(deletes them and frees what only they hold\)"),
+     lambda m: f"del {', '.join(m.group(1).split())}, then oom_magic.free_stale()"),
+    (re.compile(r" \(or %freeall NAME\)"), lambda m: " (then oom_magic.free_stale())"),
+    (re.compile(r"%freeall frees it any time"), lambda m: "oom_magic.free_stale() frees it any time"),
+    (re.compile(r"keep cleanup on \(it is unless --no-cleanup\)"), lambda m: "keep cleanup on (cleanup=True)"),
+    (re.compile(r"restart the kernel and run %%guardload first"),
+     lambda m: "start a new process and enter guard_load before anything initializes CUDA"),
+    (re.compile(r"restart the kernel"), lambda m: "restart the process"),
+    (re.compile(r"the failed cell"), lambda m: "the failed load"),
+    (re.compile(r"running the cell again"), lambda m: "running the load again"),
+    (re.compile(r"what the cell allocates"), lambda m: "what the guarded code allocates"),
+)
+
+
+def script_wording(text: str) -> str:
+    """The guard's hints phrased for a script outside IPython: Python calls instead of magics and cells."""
+    for pattern, words in _SCRIPT_WORDS:
+        text = pattern.sub(words, text)
+    return text
