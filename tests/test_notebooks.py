@@ -297,7 +297,8 @@ def test_quickstart_button_code_path_frees_and_updates_in_place(quickstart: nbfo
     assert printed[1] == f"freed {OUTPUT_TENSOR} (output-cache {OUTPUT_TENSOR})"
     # ... is the state the widget under "stale-again" was saved with: updated in place, button hidden.
     widget = memory_widget(quickstart, "stale-again")
-    assert widget["caption"]["value"] == printed[0]
+    # newer widgets showed since: its caption says its figures are those of the click
+    assert widget["caption"]["value"] == f"as of the click · {printed[0]}"
     assert widget["status"]["value"] == printed[1]
     assert widget["button"]["layout"]["display"] == "none"
     assert "oom-seg-stale" not in widget["bar"]["value"]
