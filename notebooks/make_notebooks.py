@@ -192,7 +192,8 @@ def quickstart() -> nbformat.NotebookNode:
         code("stale-traceback", FAILED_LOAD, raises=True),
         code("gpumem-stale", "%gpumem --top 5"),
         code("gpumem-data", """
-        snap = %gpumem -o  # the Snapshot, not shown: its figures as data
+        # -o: the Snapshot is returned, not shown; its figures as data
+        snap = %gpumem -o
         print(f"stale {snap.stale_bytes / 2**20:.2f} MiB:", {kind: f"{b / 2**20:.2f} MiB" for kind, b in snap.bytes_by_kind})
         """),
         md("""
