@@ -307,8 +307,12 @@ def _quiet_type() -> type:
 
             printer.text(run_summary_text(self).splitlines()[0])
 
-        def _repr_html_(self) -> None:  # type: ignore[override]
-            return None  # the frontend shows the one text line
+        def _repr_html_(self) -> str:
+            from html import escape
+
+            from .render.guard import run_summary_text
+
+            return f"<div class='oom-guard'><b>{escape(run_summary_text(self).splitlines()[0])}</b></div>"
 
     QuietGuardReport.__qualname__ = "QuietGuardReport"
     return QuietGuardReport

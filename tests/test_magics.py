@@ -258,3 +258,18 @@ def _fmt(nbytes: int) -> str:
     from oom_magic.render.units import format_bytes
 
     return format_bytes(nbytes)
+
+
+def test_the_guard_reports_details_do_not_repeat_what_was_printed(ip):
+    ok(ip, "import torch")
+    with capture_output() as cap:
+        result = ip.run_cell("%%guardload --device cpu\nx = torch.ones(4 << 20)\n", store_history=True)
+    printed = [line for line in cap.stdout.splitlines() if line.startswith(("cleanup:", "preflight"))]
+    assert printed  # the guard printed these before the cell
+    html = result.result._repr_html_()
+    details = html[html.index("<details>"):]
+    for line in printed:
+        assert line.split(":")[0] + ":" not in details, line
+    assert "x: 16.00 MiB" not in details and "<code>x</code>" in html  # the variable is in the table, once
+    assert "peak: " in details and "print(report) shows the whole story again" in details
+    assert str(result.result).startswith("cleanup:")  # the text form still tells it all

@@ -131,7 +131,10 @@ def test_guard_report_html_keeps_names_inert(payload_session) -> None:
     with capture_output():
         report = ip.run_cell_magic("guardload", "--quiet", f"globals()[{BREAKOUT!r}] = torch.ones(2048)\n")
     assert report.outcome == "ok" and report.variable(f"globals()[{BREAKOUT!r}]") is not None
-    assert_inert(report._repr_html_(), "'><svg onload=alert(1)>")  # shown as repr() writes it
+    from oom_magic.render.guard import guard_report_html
+
+    assert_inert(guard_report_html(report), "'><svg onload=alert(1)>")  # shown as repr() writes it
+    assert_inert(report._repr_html_())  # --quiet shows its one summary line
 
 
 def _every_widget_html(widget: Any) -> list[str]:
@@ -232,7 +235,11 @@ def test_checkpoint_paths_stay_inert_in_the_guard_report(ip, payload_checkpoints
         report = ip.run_cell_magic("guardload", "--quiet",
                                    f"from safetensors.torch import load_file\nsd = load_file({str(path)!r})\n")
     assert report.outcome == "ok" and report.variable("sd").bytes == 1024
-    assert_inert(report._repr_html_(), IMG)
+    assert_inert(report.preflight._repr_html_(), IMG)  # the fit check names the file
+    from oom_magic.render.guard import guard_report_html
+
+    assert_inert(guard_report_html(report))
+    assert_inert(report._repr_html_())
 
 
 # --------------------------------------------------------------------------- exception messages
@@ -246,7 +253,11 @@ def test_an_out_of_memory_message_stays_inert_in_the_guard_report(ip) -> None:
         report = ip.run_cell_magic("guardload", "--quiet",
                                    f"import torch\nraise torch.OutOfMemoryError({OOM_WITH_PAYLOADS!r})\n")
     assert report.outcome == "oom" and IMG in printed.stdout  # the forensics show the real message
-    assert_inert(report._repr_html_(), IMG, SCRIPT)
+    from oom_magic.render.guard import guard_report_html
+
+    assert_inert(guard_report_html(report))  # its details do not repeat the forensics printed above
+    assert_inert(report._repr_html_())
+    assert IMG in str(report)  # the text form tells it all, the real message included
     if report.diagnosis is not None:
         assert_inert(report.diagnosis._repr_html_())
     if report.preflight is not None:

@@ -583,9 +583,14 @@ def guard_report_html(report: GuardReport) -> str:
         f"<td>{escape(v.change)}</td></tr>" for v in r.variables)
     table = (f"<table class='oom-table'><thead><tr><th>variable</th><th>bytes</th><th>dtype</th><th>device</th>"
              f"<th>change</th></tr></thead><tbody>{rows}</tbody></table>") if rows else ""
-    head = run_summary_text(r).splitlines()[0]
+    head, *rest = run_summary_text(r).splitlines()
+    # The cleanup, fit check and forensics were printed just above this report: the details do not repeat
+    # them (or the variables, in the table), only what was not said yet; print(report) tells it all again.
+    said = {"  " + _variable_line(v) for v in r.variables}
+    more = [line.strip() for line in rest if line not in said]
+    more.append("print(report) shows the whole story again: cleanup, fit check, each attempt")
     return (f"<div class='oom-guard'><b>{escape(head)}</b>{table}"
-            f"<details><summary>details</summary><pre>{escape(guard_report_text(r))}</pre></details></div>")
+            f"<details><summary>details</summary><pre>{escape(chr(10).join(more))}</pre></details></div>")
 
 
 # --------------------------------------------------------------------------- outside IPython

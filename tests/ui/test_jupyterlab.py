@@ -148,7 +148,17 @@ def test_quickstart_runs_in_jupyterlab(browser_page, jupyter_lab: JupyterLab) ->
     # An older widget says which cell its figures are from.
     load_caption = cells.nth(_cell_index("load")).locator(".widget-vbox .widget-label").first
     assert re.match(r"as of In \[\d+\] · ", load_caption.inner_text()), load_caption.inner_text()
+    load_caption.scroll_into_view_if_needed()
+    cells.nth(_cell_index("load")).screenshot(path=str(OUTPUT / "quickstart-older-widget.png"))
+    last.scroll_into_view_if_needed()
     last.screenshot(path=str(OUTPUT / "quickstart-widget-before.png"))
+    # Its details, opened: holders, and (for the quick view) what was left out, in plain words.
+    widget.locator("details.oom-details > summary").click()
+    notes = widget.locator("details.oom-details .oom-notes").all_inner_texts()
+    if "(quick view)" in caption.inner_text():
+        assert any("%gpumem has the full picture." in n for n in notes), notes
+    last.screenshot(path=str(OUTPUT / "quickstart-widget-details.png"))
+    widget.locator("details.oom-details > summary").click()
 
     button.click()
     page.wait_for_function(
