@@ -54,7 +54,7 @@ class GuardedCellSyntax:
         self.shell = shell
 
     def __call__(self, lines: list[str]) -> list[str]:
-        if not lines or not lines[0].lstrip().startswith("%%guardload"):
+        if not lines or lines[0].split()[:1] != ["%%guardload"]:
             return lines
         body = "".join(lines[1:])
         try:

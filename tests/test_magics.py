@@ -273,3 +273,15 @@ def test_the_guard_reports_details_do_not_repeat_what_was_printed(ip):
     assert "x: 16.00 MiB" not in details and "<code>x</code>" in html  # the variable is in the table, once
     assert "peak: " in details and "print(report) shows the whole story again" in details
     assert str(result.result).startswith("cleanup:")  # the text form still tells it all
+
+
+def test_the_syntax_check_is_registered_once_and_unloaded(ip):
+    magics = ip.magics_manager.registry["OomMagics"]
+    ip.run_line_magic("load_ext", "oom_magic")  # loading again adds nothing
+    assert ip.input_transformers_cleanup.count(magics.syntax_check) == 1
+    ip.run_line_magic("unload_ext", "oom_magic")
+    assert magics.syntax_check not in ip.input_transformers_cleanup
+    ip.run_line_magic("load_ext", "oom_magic")
+    fresh = ip.magics_manager.registry["OomMagics"]
+    assert sum(type(t).__name__ == "GuardedCellSyntax" for t in ip.input_transformers_cleanup) == 1
+    assert fresh.syntax_check in ip.input_transformers_cleanup
