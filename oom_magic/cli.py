@@ -70,7 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return BAD_INPUT
     from .render.fit import fit_dict, fit_text, verdict_line
 
-    print(json.dumps(fit_dict(preflight), indent=2) if args.json else fit_text(preflight))
+    try:
+        print(json.dumps(fit_dict(preflight), indent=2) if args.json else fit_text(preflight), flush=True)
+    except BrokenPipeError:  # `oom-magic fit ... | head`: the reader left; the exit status still tells
+        sys.stdout = None  # type: ignore[assignment]  # no second error when Python flushes at exit
     if preflight.fits is None:
         fix = ""
         if not args.target and any((c.reason or "").startswith("this machine has no") for c in preflight.checks):
