@@ -172,7 +172,8 @@ def quickstart() -> nbformat.NotebookNode:
 
         The bar splits this process's memory into *user* (reachable from your variables), *stale*
         (held only by the output cache, a stored traceback or garbage) and the rest; the table
-        names the holders by the paths you would type.
+        names the holders by the paths you would type. Like `%timeit`, `%gpumem` shows its report
+        wherever it is in the cell; `%gpumem -o` returns the same figures as a `Snapshot` instead.
         """),
         code("gpumem", "%gpumem --top 5"),
         md("""
@@ -190,6 +191,11 @@ def quickstart() -> nbformat.NotebookNode:
         """),
         code("stale-traceback", FAILED_LOAD, raises=True),
         code("gpumem-stale", "%gpumem --top 5"),
+        code("gpumem-data", """
+        # -o: the Snapshot is returned, not shown; its figures as data
+        snap = %gpumem -o
+        print(f"stale {snap.stale_bytes / 2**20:.2f} MiB:", {kind: f"{b / 2**20:.2f} MiB" for kind, b in snap.bytes_by_kind})
+        """),
         md("""
         ## `%freeall`: give stale memory back
 
@@ -234,6 +240,19 @@ def quickstart() -> nbformat.NotebookNode:
         `%gpumem --plot timeline.png` also saves it.
         """),
         code("plot", "%gpumem --plot"),
+        md("""
+        ## Before you deploy: will it fit there?
+
+        `oom_magic.fit_check` is `%%guardload`'s fit check from Python: a checkpoint (folder, file,
+        or a hub id already in the local cache) checked against a device, or against the GPU it will
+        be deployed on, from its headers only. In a CI pipeline the same check is a command whose
+        exit status says whether it fits: `oom-magic fit _models/tiny-llama --target T4 --dtype bfloat16`.
+        """),
+        code("fit-check", """
+        import oom_magic
+
+        oom_magic.fit_check(MODEL_DIR, target="T4", dtype="bfloat16")
+        """),
         md("""
         ## Your turn
 

@@ -19,11 +19,12 @@ from .snapshot import Snapshot, snapshot
 from .diagnose import Diagnosis, diagnose
 from .guard import GuardReport, guard_load
 from .preflight import Preflight, preflight_check
+from .fit import fit_check
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Diagnosis", "GuardReport", "Preflight", "diagnose", "guard_load", "preflight_check",
+    "Diagnosis", "GuardReport", "Preflight", "diagnose", "fit_check", "guard_load", "preflight_check",
     "CheckpointEstimate", "DeviceReading", "FreeReport", "OOMMessage", "OomMagicError", "Snapshot",
     "available_devices", "estimate_checkpoint", "free_stale", "is_out_of_memory", "parse_oom_message", "read_device",
     "resolve_checkpoint", "snapshot", "load_ipython_extension", "unload_ipython_extension", "latest_widget",

@@ -1,8 +1,9 @@
 """Load and unload the extension: register exactly what unload removes.
 
-Loading registers the magics (``OomMagics``) and the after-cell hooks of its ``CellWatch``
-(``pre_run_cell`` and ``post_run_cell``, the same callable objects each time). Loading again is
-harmless; unloading unregisters exactly those callbacks, freezes and closes every widget the
+Loading registers the magics (``OomMagics``), the after-cell hooks of its ``CellWatch``
+(``pre_run_cell`` and ``post_run_cell``, the same callable objects each time) and one input
+transformer (``GuardedCellSyntax``: a %%guardload cell that does not parse fails as a plain cell). Loading again is
+harmless; unloading unregisters exactly those callbacks and that transformer, freezes and closes every widget the
 hooks displayed, and removes the magics.
 """
 from __future__ import annotations
@@ -23,6 +24,9 @@ def load(shell: InteractiveShell) -> None:
         return
     magics = OomMagics(shell)
     shell.register_magics(magics)
+    transformers = getattr(shell, "input_transformers_cleanup", None)
+    if transformers is not None and magics.syntax_check not in transformers:  # fails as a plain cell does
+        transformers.append(magics.syntax_check)
     watch = getattr(magics, "cell_watch", None)
     if watch is None:
         return
@@ -37,6 +41,10 @@ def unload(shell: InteractiveShell) -> None:
     magics = shell.magics_manager.registry.pop(_REGISTRY_NAME, None)
     if magics is None:
         return
+    check = getattr(magics, "syntax_check", None)
+    transformers = getattr(shell, "input_transformers_cleanup", [])
+    while check is not None and check in transformers:
+        transformers.remove(check)
     watch = getattr(magics, "cell_watch", None)
     if watch is not None:
         for event, callback in watch.callbacks().items():

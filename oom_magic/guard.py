@@ -741,6 +741,10 @@ class GuardedLoad:
 
     # ----------------------------------------------------------------- steps
     def _say(self, text: str, *, always: bool = False) -> None:
+        if text and current_shell() is None:  # a script: no magics or cells to point at
+            from .render.guard import script_wording
+
+            text = script_wording(text)
         if text and (always or not self.quiet):
             print(text, file=self.out if self.out is not None else sys.stdout, flush=True)
 
@@ -781,6 +785,8 @@ class GuardedLoad:
 
             raise GuardRefused(refusal_line(self.preflight))
         self.snapshot_note = self._start_snapshot()
+        if self.snapshot_note:  # --snapshot that records nothing says so before the cell, not only in the report
+            self._say(self.snapshot_note, always=True)
         if self.target is not None:
             self._plan_rehearsal()
         self.variables_before: dict[str, _VarBytes] = {}

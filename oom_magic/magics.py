@@ -1,13 +1,15 @@
 """The IPython magics: thin adapters from argument strings to the pure core."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, CaselessStrEnum, Int, Unicode
+from traitlets import Bool, CaselessStrEnum, Int, TraitError, Unicode, validate
 
 from .cleanup import FreeReport, free_stale
 from .errors import OomMagicError
@@ -22,12 +24,53 @@ if TYPE_CHECKING:
     from .watch import WatchStatus
 
 
+def _show(result: object) -> None:
+    """Display a magic's result where the line runs (not only as the cell's last value); returns None."""
+    if result is not None:
+        from IPython.display import display
+
+        display(result)
+    return None
+
+
 def _parse_line(magic: object, line: str) -> object:
     """The magic's arguments; a line shlex cannot split (an unclosed quote) is a UsageError too."""
     try:
         return parse_argstring(magic, line)
     except ValueError as exc:  # argparse's own errors are UsageErrors already; this is shlex's
         raise UsageError(f"cannot read the magic line ({exc}): close the quote or escape it") from None
+
+
+class GuardedCellSyntax:
+    """An input transformer: a %%guardload cell whose body does not parse fails before it runs.
+
+    Without it the SyntaxError would surface from inside the magic (its frames, ``File <unknown>``);
+    here it is raised while IPython transforms the cell, so IPython shows it as it shows a plain
+    cell's (``Cell In[N], line L``, L counted from the %%guardload line) and the cell counts as
+    failed. Cells that do not start with %%guardload pass through untouched.
+    """
+
+    def __init__(self, shell: InteractiveShell) -> None:
+        self.shell = shell
+
+    def __call__(self, lines: list[str]) -> list[str]:
+        if not lines or lines[0].split()[:1] != ["%%guardload"]:
+            return lines
+        body = "".join(lines[1:])
+        try:
+            self.shell.compile.ast_parse(self.shell.transform_cell(body))  # as IPython parses a plain cell
+        except SyntaxError as exc:
+            raw = "".join(lines)
+            name = self.shell.compile.cache(raw, self.shell.execution_count, raw_code=raw)
+            lineno = (exc.lineno or 1) + 1  # the magic's own line comes first
+            end = exc.end_lineno + 1 if exc.end_lineno is not None else None
+            text = lines[lineno - 1] if lineno - 1 < len(lines) else exc.text
+            message = re.sub(r"on line (\d+)", lambda m: f"on line {int(m.group(1)) + 1}", str(exc.msg))
+            error = type(exc)(message, (name, lineno, exc.offset, text, end, exc.end_offset))
+            raise error from None
+        except Exception:
+            return lines  # anything else is the magic's to report when it runs
+        return lines
 
 
 @magics_class
@@ -64,41 +107,73 @@ class OomMagics(Magics):
                                         "retry decision: a size such as 2GiB, or a percentage of the device's "
                                         "capacity such as 5%; --headroom overrides it for one cell.").tag(config=True)
 
+    @validate("top", "gpu_change_threshold", "cpu_change_threshold", "hook_budget_ms", "live_widgets")
+    def _zero_or_more(self, proposal: Any) -> int:
+        """A negative count, threshold or budget is refused when set (%config says why), not later."""
+        value = proposal["value"]
+        if value < 0:
+            raise TraitError(f"OomMagics.{proposal['trait'].name} must be 0 or more, not {value}; it is unchanged")
+        return value
+
+    @validate("history_length")
+    def _one_or_more(self, proposal: Any) -> int:
+        value = proposal["value"]
+        if value < 1:
+            raise TraitError(f"OomMagics.history_length must be 1 or more, not {value}; it is unchanged")
+        return value
+
+    @validate("guard_headroom")
+    def _headroom(self, proposal: Any) -> str:
+        from .preflight import parse_headroom
+
+        try:
+            parse_headroom(proposal["value"], 0)
+        except OomMagicError as exc:
+            raise TraitError(f"OomMagics.guard_headroom: {exc}; it is unchanged") from None
+        return proposal["value"]
+
     def __init__(self, shell: InteractiveShell) -> None:
         super().__init__(shell)
         from .widget import CellWatch
 
         # The after-cell hooks; _extension registers its callbacks and unload closes it.
         self.cell_watch = CellWatch(shell, self)
+        # The input transformer that fails an unparsable %%guardload cell as a plain cell (_extension registers it).
+        self.syntax_check = GuardedCellSyntax(shell)
 
     @magic_arguments()
     @argument("--device", "-d", default=None, help="Device to show: cuda, cuda:N, cpu or mps (default: the current CUDA device, else cpu).")
     @argument("--top", "-n", type=int, default=None, help="How many holders to list (default: OomMagics.top).")
     @argument("--all", "-a", action="store_true", help="List every holder, not only the top N.")
     @argument("--json", action="store_true", help="Show the snapshot as JSON instead of a table.")
+    @argument("-o", dest="output", action="store_true",
+              help="Return the Snapshot (or, with --auto/--pin, the settings; with --plot, the Timeline) instead of "
+                   "showing it, as %%timeit -o does: `snap = %%gpumem -o`.")
     @argument("--auto", default=None, choices=("changes", "always", "off"), type=str.lower,
               help="The memory widget after each cell: under cells that changed memory (changes), under every "
                    "cell (always) or never (off); also turns the check back on after an error. "
-                   "Sets OomMagics.auto_display; returns the settings.")
+                   "Sets OomMagics.auto_display and shows the settings.")
     @argument("--pin", action="store_true",
               help="Show one live memory widget here that updates after every cell that changes memory, "
                    "instead of one widget per cell (--auto MODE goes back to per-cell widgets).")
     @argument("--plot", nargs="?", const="", default=None, metavar="PATH",
               help="Plot allocated, reserved and per-cell peak memory over the executed cells (out-of-memory "
-                   "cells marked, %%%%guardload cells labelled); save a PNG to PATH when given; returns the Timeline.")
+                   "cells marked, %%%%guardload cells labelled); save a PNG to PATH when given.")
     @line_magic
-    def gpumem(self, line: str = "") -> Snapshot | WatchStatus | Timeline:
-        """Show what uses a device's memory and which variable holds it; returns the Snapshot.
+    def gpumem(self, line: str = "") -> Snapshot | WatchStatus | Timeline | None:
+        """Show what uses a device's memory and which variable holds it, wherever the line is in the cell.
 
-        With --auto, --pin or --plot it sets up the memory widget shown after cells, or plots the
-        memory timeline, instead (returning the settings, or the Timeline).
+        Shows the report (as %timeit prints its timing) and returns None; with -o it returns the
+        Snapshot instead. With --auto, --pin or --plot it sets up the memory widget shown after
+        cells, or plots the memory timeline, instead (-o returns the settings, or the Timeline).
         """
         args = _parse_line(self.gpumem, line)
         if args.auto is not None or args.pin or args.plot is not None:
             try:
-                return self.cell_watch.command(auto=args.auto, pin=args.pin, plot=args.plot, device=args.device)
+                result = self.cell_watch.command(auto=args.auto, pin=args.pin, plot=args.plot, device=args.device)
             except OomMagicError as exc:
                 raise UsageError(str(exc)) from None
+            return result if args.output else _show(result)
         top = 0 if args.all else (args.top if args.top is not None else self.top)
         if top < 0:
             raise UsageError(f"--top must be 0 or more, not {top}")
@@ -106,7 +181,8 @@ class OomMagics(Magics):
             snap = snapshot(args.device, roots=collect_roots(self.shell), top=top, name_kernels=True)
         except OomMagicError as exc:
             raise UsageError(str(exc)) from None
-        return replace(snap, view="json") if args.json else snap
+        snap = replace(snap, view="json") if args.json else snap
+        return snap if args.output else _show(snap)
 
     @magic_arguments()
     @argument("names", nargs="*", help="Variables to delete first (as %%xdel does, output cache included); without names only stale memory is freed.")
@@ -130,7 +206,7 @@ class OomMagics(Magics):
     @argument("--target", default=None, metavar="GPU", help="Rehearse the load for the GPU it will be deployed on: a known GPU (T4, L4, A10G, A100-80GB, H100-80GB, ...) or the card's total as nvidia-smi shows it (16GiB). The fit check and its options are for that GPU's usable memory; on a larger CUDA device the cell runs capped at it (set_per_process_memory_fraction, put back afterwards).")
     @argument("--no-cleanup", action="store_true", help="Do not free stale memory (output cache, stored tracebacks, garbage) before the cell.")
     @argument("--no-expandable", action="store_true", help="Do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA initializes.")
-    @argument("--quiet", "-q", action="store_true", help="Print only warnings and out-of-memory forensics; the report is still returned.")
+    @argument("--quiet", "-q", action="store_true", help="Print only warnings and out-of-memory forensics, show the report as one line and no memory widget under the cell; the GuardReport is still returned in full.")
     @cell_magic
     def guardload(self, line: str = "", cell: str | None = None) -> GuardReport | None:
         """Guard a model-load cell: free stale memory, check the fit, run it, recover from out-of-memory.
@@ -168,6 +244,8 @@ class OomMagics(Magics):
             guard.begin()
         except OomMagicError as exc:  # an unknown --device, or --strict refusing
             raise UsageError(str(exc)) from None
+        if args.quiet:
+            self.cell_watch.hushed = True
         try:
             value = guard.run(body)
         finally:
@@ -176,6 +254,8 @@ class OomMagics(Magics):
             from IPython.display import display
 
             display(value)
+        if args.quiet and guard.report is not None:
+            return _quiet(guard.report)
         return guard.report
 
     def _guard_traceback(self, exc: BaseException) -> str:
@@ -205,3 +285,34 @@ class OomMagics(Magics):
             mark_cell("%%guardload", oom=report is not None and report.outcome == "oom", peak=measured)
         except Exception:
             pass
+
+
+def _quiet(report: GuardReport) -> GuardReport:
+    """The same report, shown as its one summary line (%%guardload --quiet)."""
+    from dataclasses import fields
+
+    return _quiet_type()(**{f.name: getattr(report, f.name) for f in fields(report)})
+
+
+@lru_cache(maxsize=None)
+def _quiet_type() -> type:
+    """GuardReport with a one-line display; made once, when --quiet is first used (guard.py loads lazily)."""
+    from .guard import GuardReport
+
+    class QuietGuardReport(GuardReport):
+        """A GuardReport whose display is one line; every field and property is the report's."""
+
+        def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+            from .render.guard import run_summary_text
+
+            printer.text(run_summary_text(self).splitlines()[0])
+
+        def _repr_html_(self) -> str:
+            from html import escape
+
+            from .render.guard import run_summary_text
+
+            return f"<div class='oom-guard'><b>{escape(run_summary_text(self).splitlines()[0])}</b></div>"
+
+    QuietGuardReport.__qualname__ = "QuietGuardReport"
+    return QuietGuardReport

@@ -9,7 +9,8 @@ that updates after every cell that changed memory instead of one widget per cell
 
 Widget lifetime, decided here:
 
-- A widget under an earlier cell keeps showing that cell's state; only its own button changes it.
+- A widget under an earlier cell keeps showing that cell's state, and once a newer widget shows, its
+  caption says so ("as of In [N]"); only its own button changes its figures (to now's).
 - Live widget models are capped: at most ``OomMagics.live_widgets`` (default 8) per-cell widgets
   stay live. When a newer one pushes the oldest out, the oldest is *frozen*: its output is
   replaced (``update_display`` on its display id) by the static text/html of the state it showed,
@@ -35,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .cleanup import FreeReport, free_stale
 from .errors import OomMagicError
-from .render.cell import cell_caption, cell_details_html, cell_html, cell_text, free_button_label, freed_line
-from .render.html import bar_html
+from .render.cell import (cell_bar_html, cell_caption, cell_details_html, cell_html, cell_text, free_button_label,
+                          freed_line)
 from .roots import collect_roots
 from .snapshot import Snapshot, snapshot
 from .watch import (CellChange, CellRecord, CellReport, ScanCost, Thresholds, Watcher, WatchStatus, activate,
@@ -68,9 +69,10 @@ class MemoryWidget:
         self.report = report
         self.pinned = pinned
         self.handle: Any | None = None  # the DisplayHandle of the output showing this widget
+        self.superseded = False  # a newer cell ran: the caption says "as of In [N]" until a click refreshes it
         self._free = free
         self._busy = False
-        self._static: tuple[CellReport, dict[str, str]] | None = None
+        self._static: tuple[tuple[CellReport, bool], dict[str, str]] | None = None
         self.caption = w.Label()
         self.bar = w.HTML()
         self.button = w.Button(button_style="warning", icon="trash", layout=w.Layout(width="auto"),
@@ -89,12 +91,20 @@ class MemoryWidget:
         if self.closed:
             return
         snap = report.snapshot
-        self.bar.value = (bar_html(snap) + "<details class='oom-details'><summary>details</summary>"
+        self.bar.value = (cell_bar_html(snap) + "<details class='oom-details'><summary>details</summary>"
                           + cell_details_html(snap) + "</details>")
         self.status.value = escape(freed_line(report.freed)) if report.freed is not None else ""
         self._show_button()
         # The caption goes last: a frontend that shows the new caption has every other part too.
-        self.caption.value = cell_caption(report, pinned=self.pinned)
+        self.caption.value = cell_caption(report, pinned=self.pinned, as_of=self.superseded)
+
+    def supersede(self) -> None:
+        """A newer cell ran: say which cell these figures are from ("as of In [N]"), one caption update."""
+        if self.superseded or self.pinned:
+            return
+        self.superseded = True
+        if not self.closed:
+            self.caption.value = cell_caption(self.report, as_of=True)
 
     def _show_button(self) -> None:
         stale = self.report.snapshot.stale_bytes
@@ -128,6 +138,7 @@ class MemoryWidget:
         self.button.description = "Freeing stale tensors…"
         try:
             freed, snap = self._free(self.report.snapshot.device)
+            self.superseded = False  # the figures are now's again
             self.show(replace(self.report, snapshot=snap, freed=freed))
         except Exception as exc:  # never into the kernel's comm handler
             self.status.value = escape(f"could not free stale tensors: {type(exc).__name__}: {exc}")
@@ -141,9 +152,11 @@ class MemoryWidget:
     def static_bundle(self) -> dict[str, str]:
         """text/plain and text/html of the state shown (what exports and frozen outputs keep)."""
         cached = self._static
-        if cached is None or cached[0] is not self.report:  # rendered once per state: display, then freeze
-            cached = self._static = (self.report, {"text/plain": cell_text(self.report, pinned=self.pinned),
-                                                   "text/html": cell_html(self.report, pinned=self.pinned)})
+        key = (self.report, self.superseded)
+        if cached is None or cached[0][0] is not key[0] or cached[0][1] != key[1]:  # once per state: display, freeze
+            as_of = self.superseded
+            cached = self._static = (key, {"text/plain": cell_text(self.report, pinned=self.pinned, as_of=as_of),
+                                           "text/html": cell_html(self.report, pinned=self.pinned, as_of=as_of)})
         return dict(cached[1])
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict[str, Any]:
@@ -171,6 +184,7 @@ class CellWatch:
         self.watcher = Watcher(history_limit=int(getattr(settings, "history_length", 10_000)))
         self.scan_cost = ScanCost()  # decides between a full scan and the quick view after a cell
         self.enabled = True
+        self.hushed = False  # %%guardload --quiet: no widget under the running cell (its change is still recorded)
         self.warned_static = False  # "no ipywidgets" is said once, not under every cell
         self.live: list[MemoryWidget] = []
         self.pinned: MemoryWidget | None = None
@@ -207,6 +221,7 @@ class CellWatch:
     # -- hooks -----------------------------------------------------------------------------------
     def pre_run_cell(self, info: ExecutionInfo | None = None) -> None:
         """Read the device before a cell (microseconds; nothing when torch is not imported)."""
+        self.hushed = False
         if not self.enabled:
             return
         try:
@@ -234,7 +249,7 @@ class CellWatch:
         change = self.watcher.after_cell(result.execution_count, result.error_in_exec, self.shell.user_ns,
                                          Thresholds(settings.gpu_change_threshold, settings.cpu_change_threshold),
                                          source=getattr(info, "raw_cell", None))
-        if change is None:
+        if change is None or self.hushed:
             return
         mode = settings.auto_display
         wanted = change.changed or change.oom or mode == "always"
@@ -287,6 +302,8 @@ class CellWatch:
         if limit == 0 or missing:
             display(_Static(report))
             return None
+        for older in self.live:  # their figures are of their own cells now: say so ("as of In [N]")
+            older.supersede()
         widget = MemoryWidget(report, free=self._free_and_rescan)
         widget.handle = display(widget, display_id=True)
         self.live.append(widget)
@@ -338,11 +355,16 @@ class CellWatch:
             return self._full_scan(device, blocks)
         snap = snapshot(device, roots=collect_roots(self.shell), heap_scan=False, budget_seconds=walk)
         self.scan_cost.learn_quick_view(snap.scan_seconds, walk)
-        why = (f"heap scan skipped: a full scan of this heap ({blocks:,} allocated blocks) would take about "
-               f"{self.scan_cost.predict(blocks) * 1000:,.0f} ms, more than the after-cell budget of "
-               f"{budget * 1000:,.0f} ms (OomMagics.hook_budget_ms) leaves once the reading and the widget "
-               "are paid for")
-        return replace(snap, notes=(why,) + snap.notes)
+        why = (f"quick view: to keep this view under {budget * 1000:,.0f} ms (OomMagics.hook_budget_ms), only the "
+               "tensors your variables, the output cache and stored tracebacks hold were counted "
+               f"(looking through all of memory would take about {self.scan_cost.predict(blocks) * 1000:,.0f} ms). "
+               "Left out: garbage (objects that only refer to each other) and tensors a library keeps. "
+               "%gpumem has the full picture.")
+        cut = "" if snap.attribution_complete else (" The look also stopped at the time limit, so some tensors of "
+                                                    "yours may be missing too.")
+        # The snapshot's own quick-view and walk-stopped notes say the same in engine words: one note instead.
+        rest = tuple(n for n in snap.notes if not n.startswith(("quick view:", "holder walk stopped")))
+        return replace(snap, notes=(why + cut,) + rest)
 
     def _full_scan(self, device: str | None, blocks: int) -> Snapshot:
         """The whole heap scanned; its cost per allocated block is learnt for the next decision."""

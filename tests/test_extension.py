@@ -109,7 +109,7 @@ def test_a_failing_hook_warns_once_turns_itself_off_and_comes_back(ip, capsys) -
     assert watch_.enabled is False
     assert "Error in callback" not in capsys.readouterr().out
     watch_.watcher._probe = real_probe
-    status = ip.run_line_magic("gpumem", "--auto changes")
+    status = ip.run_line_magic("gpumem", "-o --auto changes")
     assert status.enabled is True and watch_.enabled is True
     recorded = len(watch_.watcher.history)
     ip.run_cell("c = 3", store_history=True)

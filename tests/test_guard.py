@@ -138,7 +138,8 @@ def test_retry_runs_again_when_the_give_back_made_room(torch_ip, capsys):
     assert diagnosis.retry.free_now >= 700 * MiB and diagnosis.free <= 256 * MiB
     assert report.variable("x").bytes == 384 * MiB and torch_ip.user_ns["x"].numel() == 384 * MiB
     out = capsys.readouterr().out
-    assert "retry 2 of 2: " in out and "running it again" in out
+    assert "→ retry 2 of 2: running the cell again" in out
+    assert out.count("running the cell again needs at least") == 1  # the figures are said once, in the diagnosis
     assert not hasattr(sys, "last_value")
 
 
@@ -146,7 +147,9 @@ def test_no_retry_when_the_same_load_cannot_fit(torch_ip, capsys):
     with pytest.raises(RuntimeError) as info:
         torch_ip.run_cell_magic("guardload", "--device cpu --retry 3", OOM_CELL)
     assert len(info.value.oom_report.attempts) == 1
-    assert "no retry: running the cell again needs at least 1024.00 TiB" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "retry: running the cell again needs at least 1024.00 TiB" in out and "\n→ no retry\n" in out
+    assert out.count("running the cell again needs at least") == 1  # said once, not again as "no retry: ..."
 
 
 def test_guard_raise_false_only_prints(torch_ip, capsys):
@@ -196,7 +199,10 @@ def test_cell_runs_in_the_user_namespace_and_reports_new_tensors(torch_ip):
     assert report.variable("y") is None  # no device memory
     assert report.tensor_delta == 4_000_000
     assert report.peak.above_start is not None and report.peak.above_start >= 0
-    assert "x: 3.81 MiB float32 on cpu (new)" in repr_pretty(report)
+    from oom_magic.render.guard import run_summary_text
+
+    assert "x: 3.81 MiB float32 on cpu (new)" in run_summary_text(report)
+    assert "\n" not in repr_pretty(report)  # --quiet: the report shows as its one summary line
 
 
 def repr_pretty(obj: object) -> str:

@@ -502,7 +502,7 @@ def test_the_process_table_names_a_kernels_notebook_and_how_to_stop_it(ip, monke
 
     monkeypatch.setattr(jupyter_kernels_module, "find_jupyter_kernels", patched_find)
     ip.run_cell("import torch", store_history=True)
-    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     text, html = snapshot_text(snap), snapshot_html(snap)
     assert asked == [[kernel]]  # only this user's kernel-like process was asked about, once for both forms
     assert f"Jupyter kernel of {path}" in text and f"  to stop pid {kernel}: {hint}" in text
@@ -522,7 +522,7 @@ def test_an_unreachable_server_leaves_the_pid_only(ip, monkeypatch, kernel_like_
                         Nvml(FakeNvml([FakeGpu(used=3 * GiB, processes=[(kernel, 3 * GiB)])]).module))
     monkeypatch.setattr(jupyter_kernels_module, "find_jupyter_kernels", lambda pids, **kw: {})  # nothing answered
     ip.run_cell("import torch", store_history=True)
-    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     text, html = snapshot_text(snap), snapshot_html(snap)
     row = next(line for line in text.splitlines() if f"pid {kernel}" in line)
     assert row.endswith("Jupyter kernel  3.00 GiB") and "to stop" not in text
@@ -535,7 +535,7 @@ def test_no_other_process_asks_no_server(ip, monkeypatch):
     asked: list[Any] = []
     monkeypatch.setattr(jupyter_kernels_module, "find_jupyter_kernels", lambda pids, **kw: asked.append(pids) or {})
     ip.run_cell("import torch", store_history=True)
-    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     text, html = snapshot_text(snap), snapshot_html(snap)
     assert snap.reading.processes == () and asked == []
     assert "\nother processes\n" not in text and "<th style='text-align:right'>pid</th>" not in html

@@ -317,7 +317,7 @@ def test_gpumem_names_the_notebook_of_another_kernel_on_the_gpu(server, ip, monk
     monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(server.runtime))
     ip.run_cell("import torch", store_history=True)
-    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     text, html = snapshot_text(snap), snapshot_html(snap)
     url = f"http://localhost:{server.port}/"
     row = next(line for line in text.splitlines() if f"pid {a}" in line)

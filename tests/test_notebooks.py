@@ -88,8 +88,10 @@ def text(nb: nbformat.NotebookNode, cell_id: str) -> str:
 
 
 def result(nb: nbformat.NotebookNode, cell_id: str) -> nbformat.NotebookNode:
-    """The cell's execute_result (what its last expression, e.g. %gpumem, returned)."""
-    outs = [o for o in cell(nb, cell_id).outputs if o.output_type == "execute_result"]
+    """The report a cell showed: its execute_result (%freeall, %%guardload) or what it displayed (%gpumem
+    shows its report as display_data wherever it is in the cell); never the memory widget under it."""
+    outs = [o for o in cell(nb, cell_id).outputs if o.output_type in ("execute_result", "display_data")
+            and WIDGET_VIEW not in o.data and "oom-cell" not in o.data.get("text/html", "")]
     assert len(outs) == 1, f"{cell_id}: expected one result, got {[o.output_type for o in cell(nb, cell_id).outputs]}"
     return outs[0]
 
@@ -193,7 +195,8 @@ def test_binder_provides_every_module_the_notebooks_import() -> None:
         for c in nb.cells:
             if c.cell_type != "code":
                 continue
-            python = "\n".join(line for line in c.source.splitlines() if not line.lstrip().startswith("%"))
+            python = "\n".join(re.sub(r"=\s*%.*$", "= None", line)  # snap = %gpumem -o
+                                for line in c.source.splitlines() if not line.lstrip().startswith("%"))
             for node in ast.walk(ast.parse(python)):
                 if isinstance(node, ast.Import):
                     imported |= {a.name.split(".")[0] for a in node.names}
@@ -246,6 +249,25 @@ def test_quickstart_stale_memory_is_found(quickstart: nbformat.NotebookNode) -> 
     assert re.search(r"sys\.last_traceback → frame load_all_at_once → local staged\['lm_head\.weight'\]", report)
 
 
+def test_quickstart_gpumem_shows_and_o_returns(quickstart: nbformat.NotebookNode) -> None:
+    # %gpumem as a cell's only line: displayed (display_data), nothing returned as the cell's result
+    assert [o.output_type for o in cell(quickstart, "gpumem").outputs
+            if "oom-cell" not in o.get("data", {}).get("text/html", "")] == ["display_data"]
+    # snap = %gpumem -o: nothing shown, the Snapshot's figures printed from Python
+    printed = text(quickstart, "gpumem-data")
+    assert printed.startswith(f"stale {STALE}: "), printed
+    assert f"'traceback': '{MODEL_BYTES / 2**20:.2f} MiB'" in printed and "'output-cache': '32.00 MiB'" in printed
+    assert not [o for o in cell(quickstart, "gpumem-data").outputs if o.output_type != "stream"
+                and "oom-cell" not in o.get("data", {}).get("text/html", "")]
+
+
+def test_quickstart_fit_check_for_a_deployment_gpu(quickstart: nbformat.NotebookNode) -> None:
+    report = result(quickstart, "fit-check").data["text/plain"]
+    assert "preflight (line 1) → model: AutoModelForCausalLM.from_pretrained(" in report
+    assert f"11,356,416 parameters, {MODEL_BF16} as bfloat16" in report
+    assert re.search(rf"on a T4 this load needs {re.escape(MODEL_BF16)} of [\d.]+ GiB usable .*→ fits", report), report
+
+
 def test_quickstart_freeall_gives_stale_memory_back(quickstart: nbformat.NotebookNode) -> None:
     report = result(quickstart, "freeall").data["text/plain"]
     assert re.fullmatch(rf"freed {STALE} on {DEVICE} \(output-cache {OUTPUT_TENSOR}, traceback {MODEL}\)",
@@ -276,7 +298,8 @@ def test_quickstart_button_code_path_frees_and_updates_in_place(quickstart: nbfo
     assert printed[1] == f"freed {OUTPUT_TENSOR} (output-cache {OUTPUT_TENSOR})"
     # ... is the state the widget under "stale-again" was saved with: updated in place, button hidden.
     widget = memory_widget(quickstart, "stale-again")
-    assert widget["caption"]["value"] == printed[0]
+    # newer widgets showed since: its caption says its figures are those of the click
+    assert widget["caption"]["value"] == f"as of the click · {printed[0]}"
     assert widget["status"]["value"] == printed[1]
     assert widget["button"]["layout"]["display"] == "none"
     assert "oom-seg-stale" not in widget["bar"]["value"]

@@ -95,7 +95,7 @@ def test_gpumem_plot_draws_the_shells_cells(ip, tmp_path) -> None:
     run("from oom_magic.watch import mark_cell\nmark_cell('load tiny')\ny = torch.ones(4 << 20)")
     labelled = ip.execution_count - 1
     target = tmp_path / "cells.png"
-    timeline = ip.run_line_magic("gpumem", f"--plot {target}")
+    timeline = ip.run_line_magic("gpumem", f"-o --plot {target}")
     assert isinstance(timeline, Timeline)
     history = ip.magics_manager.registry["OomMagics"].cell_watch.watcher.records("cpu")
     assert timeline.cells == tuple(r.execution_count for r in history)
@@ -110,15 +110,15 @@ def test_gpumem_plot_draws_the_shells_cells(ip, tmp_path) -> None:
     assert texts.count(" OOM") == 1 and "load tiny" in texts
     y = [v for v in timeline.figure.axes[0].get_lines()[0].get_ydata() if not math.isnan(v)]
     assert len(y) == len(timeline.cells)
-    without_path = ip.run_line_magic("gpumem", "--plot")
+    without_path = ip.run_line_magic("gpumem", "-o --plot")
     assert without_path.path is None and without_path.cells[-1] >= timeline.cells[-1]
 
 
 def test_gpumem_plot_errors_are_one_line_usage_errors(ip, tmp_path) -> None:
     with pytest.raises(UsageError, match="no cells recorded"):
-        ip.run_line_magic("gpumem", "--plot")
+        ip.run_line_magic("gpumem", "-o --plot")
     ip.run_cell("import torch", store_history=True)
     with pytest.raises(UsageError, match="could not save the timeline"):
-        ip.run_line_magic("gpumem", f"--plot {tmp_path}/missing/dir/t.png")
+        ip.run_line_magic("gpumem", f"-o --plot {tmp_path}/missing/dir/t.png")
     with pytest.raises(UsageError, match="unknown device"):
-        ip.run_line_magic("gpumem", "--plot --device cuda:7")
+        ip.run_line_magic("gpumem", "-o --plot --device cuda:7")

@@ -274,10 +274,10 @@ def test_every_magic_and_the_hook_complete_when_nvml_fails(ip, monkeypatch, clea
     fake = WHOLE[broken]()
     monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(fake.module))
     run(ip, "import torch")
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
 
     with pytest.raises(UsageError) as refused:
-        ip.run_line_magic("gpumem", "--device cuda:0")
+        ip.run_line_magic("gpumem", "-o --device cuda:0")
     message = str(refused.value)
     assert "\n" not in message and message.startswith("unknown device 'cuda:0': this machine has cpu (no CUDA")
     assert "NVML" in message  # says why: the one clear note about what is missing
@@ -287,7 +287,7 @@ def test_every_magic_and_the_hook_complete_when_nvml_fails(ip, monkeypatch, clea
         ip.run_cell_magic("guardload", "--device cuda:0", "w = torch.ones(8)\n")
     assert "w" not in ip.user_ns  # refused before the cell ran
 
-    snap = ip.run_line_magic("gpumem", "")
+    snap = ip.run_line_magic("gpumem", "-o")
     assert snap.device == "cpu" and snap.reading.total is not None and snap.reading.total > 0
     report = ip.run_line_magic("freeall", "")
     assert report.device == "cpu" and report.freed_bytes == 0
@@ -331,16 +331,16 @@ watch = ip.magics_manager.registry["OomMagics"].cell_watch
 out["hook_enabled"] = watch.enabled
 out["widgets"] = len(watch.live)
 out["history"] = len(watch.watcher.history)
-snap = ip.run_line_magic("gpumem", "")
+snap = ip.run_line_magic("gpumem", "-o")
 out["gpumem"] = {"device": snap.device, "notes": list(snap.notes), "reading_notes": list(snap.reading.notes),
                  "user_bytes": snap.user_bytes, "html": snap._repr_html_() is not None, "text": str(snap)}
 try:
-    ip.run_line_magic("gpumem", "--device cuda")
+    ip.run_line_magic("gpumem", "-o --device cuda")
     out["gpumem_cuda"] = "no error"
 except UsageError as exc:
     out["gpumem_cuda"] = str(exc)
 try:
-    ip.run_line_magic("gpumem", "--pin")
+    ip.run_line_magic("gpumem", "-o --pin")
     out["pin"] = "ok"
 except UsageError as exc:
     out["pin"] = "UsageError: " + str(exc)
@@ -435,7 +435,7 @@ def test_psutil_access_denied_and_vanished_processes(ip, monkeypatch) -> None:
         monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))
         run(ip, "import torch\nt = torch.ones(1000)")
 
-        snap = ip.run_line_magic("gpumem", "--device cuda:0")
+        snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
         others = {p.pid: p for p in snap.reading.processes}
         assert set(others) == {gone.pid, zombie_pid, sleeper.pid}
         assert (others[gone.pid].note, others[gone.pid].name, others[gone.pid].used_bytes) == (
@@ -447,14 +447,14 @@ def test_psutil_access_denied_and_vanished_processes(ip, monkeypatch) -> None:
         html, text = snap._repr_html_(), str(snap)
         assert "access denied" in text and "process has exited" in text and str(sleeper.pid) in html
 
-        cpu = ip.run_line_magic("gpumem", "")
+        cpu = ip.run_line_magic("gpumem", "-o")
         assert cpu.reading.total is None and cpu.reading.process_used is None
         said = [n.split(":")[0] for n in cpu.reading.notes if n.startswith("psutil could not read")]
         assert said == ["psutil could not read system memory", "psutil could not read this process's memory"]
         assert cpu.held_by("t") == 4000 and "n/a" in str(cpu)
         assert ip.run_line_magic("freeall", "").device == "cpu"
         assert ip.run_cell_magic("guardload", "--quiet", "u = torch.ones(10)\n").outcome == "ok"
-        ip.run_line_magic("gpumem", "--auto always")
+        ip.run_line_magic("gpumem", "-o --auto always")
         result = run(ip, "v = torch.ones(10)")
         assert result.success and cell_watch(ip).enabled and cell_watch(ip).live
     finally:
@@ -579,13 +579,13 @@ def hostile(ip):
 
 def test_hostile_objects_are_never_called_by_any_magic_or_the_hook(ip, hostile, clean_alloc_env) -> None:
     called = hostile["CALLED"]
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     result = run(ip, "extra = torch.ones(4096)")
     assert result.success and cell_watch(ip).enabled and called == []
     widget = cell_watch(ip).live[-1]
     assert widget.report.snapshot.held_by("extra") == 4096 * 4
 
-    snap = ip.run_line_magic("gpumem", "--all")
+    snap = ip.run_line_magic("gpumem", "-o --all")
     paths = {g.path for g in snap.holders("user")}
     assert {"h.weights", "by_key[<key #0>]", "in_list[1]", "extra", "closure.__closure__[0][1]",
             "err.args[1]"} <= paths
@@ -629,7 +629,7 @@ def test_a_dict_property_is_never_called(ip) -> None:
         odd = NoDict()
         t = torch.ones(10)
     '''))
-    snap = ip.run_line_magic("gpumem", "")
+    snap = ip.run_line_magic("gpumem", "-o")
     assert snap.held_by("t") == 40
     assert ip.user_ns["DICT_CALLS"] == []
 
@@ -648,7 +648,7 @@ def test_a_library_dict_keyed_by_a_hostile_object_does_not_break_gpumem(ip) -> N
             cache = {BadKey(): torch.ones(1000)}
         del BadKey
     '''))
-    snap = ip.run_line_magic("gpumem", "")
+    snap = ip.run_line_magic("gpumem", "-o")
     assert snap.other_bytes >= 4000
     assert ip.user_ns["REPRS"] == []
 
@@ -683,10 +683,10 @@ bad_grad = torch.ones(4000).as_subclass(BadGrad)
 
 def test_tensor_subclasses_that_raise_do_not_break_anything(ip, clean_alloc_env) -> None:
     assert run(ip, SUBCLASS_SETUP).success
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     assert run(ip, "more = torch.ones(10)").success and cell_watch(ip).enabled
 
-    snap = ip.run_line_magic("gpumem", "--all")
+    snap = ip.run_line_magic("gpumem", "-o --all")
     assert snap.held_by("good") == 4000 and snap.held_by("more") == 40
     assert snap.held_by("no_storage") == 0  # its storage cannot be read: not counted
     assert snap.held_by("bad_grad") == 16000  # a raising .grad does not hide the tensor itself
@@ -703,7 +703,7 @@ def test_tensor_subclasses_that_raise_do_not_break_anything(ip, clean_alloc_env)
 def test_an_unreadable_tensor_is_named_as_such(ip) -> None:
     """Finding 5 (fixed in tracker.py): it was counted among the 'meta/fake tensors' in the note."""
     assert run(ip, SUBCLASS_SETUP).success
-    snap = ip.run_line_magic("gpumem", "")
+    snap = ip.run_line_magic("gpumem", "-o")
     # no_storage raises in untyped_storage(), explodes in every torch function
     assert any(n.startswith("2 tensors' storage could not be read") for n in snap.notes), snap.notes
     assert not any("meta/fake" in n for n in snap.notes), snap.notes
@@ -713,7 +713,7 @@ def test_an_unreadable_tensor_is_named_as_such(ip) -> None:
 
 
 def test_reset_between_cells(ip, clean_alloc_env) -> None:
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     run(ip, "import torch\nbig = torch.ones(8 << 20)")
     run(ip, "torch.ones(4 << 20) * 2")  # only the output cache holds this one
     watch = cell_watch(ip)
@@ -726,7 +726,7 @@ def test_reset_between_cells(ip, clean_alloc_env) -> None:
     assert watch.live[-1].report.snapshot.held_by("after") == 32 << 20
     assert watch.live[-1].report.snapshot.held_by("big") == 0
     run(ip, "%reset -f")
-    snap = ip.run_line_magic("gpumem", "")
+    snap = ip.run_line_magic("gpumem", "-o")
     assert snap.user_bytes == 0
     old.button.click()  # a widget from before the reset still works
     assert old.report.freed is not None and "could not" not in old.status.value

@@ -114,7 +114,7 @@ def test_nothing_outlives_its_unload(ip) -> None:
 @pytest.fixture
 def stale_widget(ip) -> MemoryWidget:
     """A live widget under a cell whose result left 64 MiB in the output cache."""
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     run(ip, "import torch\nkept = torch.ones(1000)")
     run(ip, "torch.ones(16 << 20) * 2")
     widget = cell_watch(ip).live[-1]
@@ -184,7 +184,7 @@ def test_reset_between_cells_then_the_button(ip, stale_widget: MemoryWidget) -> 
     run(ip, "%reset -f")
     stale_widget.button.click()
     assert stale_widget.report.freed is not None and "could not" not in stale_widget.status.value
-    ip.run_line_magic("gpumem", "--pin")
+    ip.run_line_magic("gpumem", "-o --pin")
     pinned = cell_watch(ip).pinned
     run(ip, "%reset -f")
     run(ip, "import torch\nfresh = torch.ones(16 << 20)")
@@ -207,7 +207,7 @@ from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 # FAKE NVML (no GPU here): one device holding both kernels, by their real pids.
 _nvml._DEFAULT = Nvml(FakeNvml([FakeGpu(used=8 << 30, processes={processes!r})]).module)
 get_ipython().run_line_magic("load_ext", "oom_magic")
-_s = get_ipython().run_line_magic("gpumem", "--device cuda:0")
+_s = get_ipython().run_line_magic("gpumem", "-o --device cuda:0")
 print("RESULT", json.dumps({{"self": _s.reading.process_used,
                             "others": [[p.pid, p.is_jupyter_kernel, p.is_self, p.used_bytes] for p in _s.reading.processes],
                             "text": str(_s)}}))

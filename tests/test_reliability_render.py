@@ -111,7 +111,7 @@ def payload_session(ip) -> Any:
 
 
 def test_gpumem_html_keeps_names_inert(payload_session) -> None:
-    snap = payload_session.run_line_magic("gpumem", "--all")
+    snap = payload_session.run_line_magic("gpumem", "-o --all")
     paths = {g.path for g in snap.holders()}
     assert f"globals()[{IMG!r}]" in paths and f"net.{IMG}.weight" in paths and f"cache[{SCRIPT!r}]" in paths
     assert_inert(snap._repr_html_(), IMG, SCRIPT, f"net.{BREAKOUT}.weight", f"net.{SCRIPT}", "buf")
@@ -131,7 +131,10 @@ def test_guard_report_html_keeps_names_inert(payload_session) -> None:
     with capture_output():
         report = ip.run_cell_magic("guardload", "--quiet", f"globals()[{BREAKOUT!r}] = torch.ones(2048)\n")
     assert report.outcome == "ok" and report.variable(f"globals()[{BREAKOUT!r}]") is not None
-    assert_inert(report._repr_html_(), "'><svg onload=alert(1)>")  # shown as repr() writes it
+    from oom_magic.render.guard import guard_report_html
+
+    assert_inert(guard_report_html(report), "'><svg onload=alert(1)>")  # shown as repr() writes it
+    assert_inert(report._repr_html_())  # --quiet shows its one summary line
 
 
 def _every_widget_html(widget: Any) -> list[str]:
@@ -142,7 +145,7 @@ def _every_widget_html(widget: Any) -> list[str]:
 
 def test_the_widget_keeps_names_inert(payload_session) -> None:
     ip = payload_session
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     ip.run_cell(f"globals()[{IMG!r} + '2'] = torch.ones(4096)\ntorch.ones(128) * 2", store_history=True)
     widget = magics(ip).cell_watch.live[-1]
     assert widget.report.snapshot.stale_bytes == 512
@@ -160,7 +163,7 @@ def test_the_widget_keeps_names_inert(payload_session) -> None:
 def test_the_static_view_keeps_names_inert(payload_session) -> None:
     ip = payload_session
     magics(ip).live_widgets = 0
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     with capture_output() as shown:
         ip.run_cell(f"globals()[{SCRIPT!r} + '2'] = torch.ones(4096)", store_history=True)
     htmls = [o.data["text/html"] for o in shown.outputs if "text/html" in o.data]
@@ -188,7 +191,7 @@ def test_process_names_stay_inert(ip, monkeypatch, payload_process) -> None:
     gpu = FakeGpu(used=5 * GiB, processes=[(payload_process.pid, 3 * GiB), (os.getpid(), 2 * GiB)])
     monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))  # FAKE NVML, real pids
     ip.run_cell("import torch", store_history=True)
-    snap = ip.run_line_magic("gpumem", "--device cuda:0")
+    snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     (other,) = snap.reading.processes
     assert (other.pid, other.name, other.used_bytes) == (payload_process.pid, IMG, 3 * GiB)
     assert_inert(snap._repr_html_(), IMG)
@@ -232,7 +235,11 @@ def test_checkpoint_paths_stay_inert_in_the_guard_report(ip, payload_checkpoints
         report = ip.run_cell_magic("guardload", "--quiet",
                                    f"from safetensors.torch import load_file\nsd = load_file({str(path)!r})\n")
     assert report.outcome == "ok" and report.variable("sd").bytes == 1024
-    assert_inert(report._repr_html_(), IMG)
+    assert_inert(report.preflight._repr_html_(), IMG)  # the fit check names the file
+    from oom_magic.render.guard import guard_report_html
+
+    assert_inert(guard_report_html(report))
+    assert_inert(report._repr_html_())
 
 
 # --------------------------------------------------------------------------- exception messages
@@ -246,7 +253,11 @@ def test_an_out_of_memory_message_stays_inert_in_the_guard_report(ip) -> None:
         report = ip.run_cell_magic("guardload", "--quiet",
                                    f"import torch\nraise torch.OutOfMemoryError({OOM_WITH_PAYLOADS!r})\n")
     assert report.outcome == "oom" and IMG in printed.stdout  # the forensics show the real message
-    assert_inert(report._repr_html_(), IMG, SCRIPT)
+    from oom_magic.render.guard import guard_report_html
+
+    assert_inert(guard_report_html(report))  # its details do not repeat the forensics printed above
+    assert_inert(report._repr_html_())
+    assert IMG in str(report)  # the text form tells it all, the real message included
     if report.diagnosis is not None:
         assert_inert(report.diagnosis._repr_html_())
     if report.preflight is not None:
@@ -255,7 +266,7 @@ def test_an_out_of_memory_message_stays_inert_in_the_guard_report(ip) -> None:
 
 def test_an_out_of_memory_message_stays_inert_in_the_widget(ip) -> None:
     ip.run_cell("import torch", store_history=True)
-    ip.run_line_magic("gpumem", "--auto changes")
+    ip.run_line_magic("gpumem", "-o --auto changes")
     with capture_output():
         ip.run_cell(f"raise RuntimeError({OOM_WITH_PAYLOADS!r})", store_history=True)
     widget = magics(ip).cell_watch.live[-1]
@@ -265,7 +276,7 @@ def test_an_out_of_memory_message_stays_inert_in_the_widget(ip) -> None:
 
 
 def test_a_failing_button_shows_the_error_inert(ip) -> None:
-    ip.run_line_magic("gpumem", "--auto always")
+    ip.run_line_magic("gpumem", "-o --auto always")
     ip.run_cell("import torch\nx = torch.ones(8 << 20)", store_history=True)
     widget = magics(ip).cell_watch.live[-1]
 

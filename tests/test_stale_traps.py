@@ -32,7 +32,7 @@ def freeall(ip, line: str = "--device cpu"):
 
 
 def gpumem(ip, line: str = "--device cpu --all"):
-    return ip.run_line_magic("gpumem", line)
+    return ip.run_line_magic("gpumem", f"-o {line}")
 
 
 def test_trap1_output_cache_after_del(shell):

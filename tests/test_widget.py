@@ -7,6 +7,8 @@ a FAKE snapshot built from the real record types with made-up figures (``fake_gp
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
@@ -173,7 +175,7 @@ def test_an_out_of_memory_cell_always_gets_the_widget(ip, watch) -> None:
 
 def test_auto_modes(ip, watch) -> None:
     magics = ip.magics_manager.registry["OomMagics"]
-    status = ip.run_line_magic("gpumem", "--auto off")
+    status = ip.run_line_magic("gpumem", "-o --auto off")
     assert status.mode == "off" and magics.auto_display == "off"
     assert "after-cell memory view: off" in str(status)
     recorded = len(watch.watcher.history)
@@ -181,18 +183,18 @@ def test_auto_modes(ip, watch) -> None:
     assert watch.live == [] and len(watch.watcher.history) == recorded + 1  # history still kept
     run(ip, "torch.empty(1 << 50, dtype=torch.uint8)")
     assert watch.live == []  # off means off, out-of-memory cells included
-    ip.run_line_magic("gpumem", "--auto ALWAYS")
+    ip.run_line_magic("gpumem", "-o --auto ALWAYS")
     assert magics.auto_display == "always"
     run(ip, "y = 1")
     assert len(watch.live) == 1
     ip.run_line_magic("config", "OomMagics.auto_display = 'off'")
     assert magics.auto_display == "off"
     with pytest.raises(UsageError, match="invalid choice"):
-        ip.run_line_magic("gpumem", "--auto sometimes")
+        ip.run_line_magic("gpumem", "-o --auto sometimes")
 
 
 def test_pin_shows_one_live_widget_that_follows_the_cells(ip, watch) -> None:
-    status = ip.run_line_magic("gpumem", "--pin")
+    status = ip.run_line_magic("gpumem", "-o --pin")
     assert status.pinned and "pinned widget" in str(status)
     pinned = watch.pinned
     assert pinned is not None and pinned.caption.value.startswith("cpu · ")
@@ -203,7 +205,7 @@ def test_pin_shows_one_live_widget_that_follows_the_cells(ip, watch) -> None:
     assert "variables +64.00 MiB" in pinned.caption.value
     run(ip, "y = 1")
     assert pinned.caption.value.startswith(f"In [{count}] · ")  # nothing changed: left as it was
-    ip.run_line_magic("gpumem", "--auto changes")
+    ip.run_line_magic("gpumem", "-o --auto changes")
     assert watch.pinned is None and pinned.closed
 
 
@@ -220,20 +222,48 @@ def test_live_widgets_are_capped_and_old_ones_freeze_to_static_html(ip, watch) -
     assert len(frozen) == 2
     for output in frozen:
         assert set(output.data) == {"text/plain", "text/html"}
-        assert output.data["text/plain"].startswith("cpu · ")
+        assert re.match(r"as of In \[\d+\] · cpu · ", output.data["text/plain"])  # an older cell's figures, said so
     first_id = shown[0].transient["display_id"]
     assert frozen[0].transient["display_id"] == first_id
     assert "t0" in frozen[0].data["text/html"]  # the first cell's own state, not a later one
 
 
-def test_an_earlier_widget_keeps_its_cells_state(ip, watch) -> None:
-    run(ip, "a = torch.ones(16 << 20)")
+def test_an_earlier_widget_keeps_its_cells_state_and_says_which_cell(ip, watch) -> None:
+    result = run(ip, "a = torch.ones(16 << 20)")
     first = watch.live[-1]
     caption = first.caption.value
+    assert caption.startswith("cpu · ")  # the newest widget: its figures are now's
     run(ip, "b = torch.ones(32 << 20)")
     assert watch.live[-1] is not first
-    assert first.caption.value == caption and "variables +64.00 MiB" in caption
-    assert "variables +128.00 MiB" in watch.live[-1].caption.value
+    # the same figures, now said to be those of its own cell
+    assert first.caption.value == f"as of In [{result.execution_count}] · {caption}"
+    assert "variables +64.00 MiB" in first.caption.value
+    assert "variables +128.00 MiB" in watch.live[-1].caption.value and not watch.live[-1].caption.value.startswith("as of")
+    assert first.static_bundle()["text/plain"].startswith(f"as of In [{result.execution_count}] · ")
+
+
+def test_an_older_widgets_button_refreshes_it_to_now(ip, watch) -> None:
+    run(ip, "torch.ones(8 << 20) * 3")  # 32 MiB kept only by Out[N]: the widget offers the button
+    older = watch.live[-1]
+    run(ip, "c = torch.ones(16 << 20)")
+    assert older.caption.value.startswith("as of In [")
+    older.button.click()
+    assert not older.caption.value.startswith("as of") and older.caption.value.endswith("freed 32.00 MiB")
+    assert " · stale 0 B · " in older.caption.value
+    run(ip, "d = torch.ones(16 << 20)")  # newer again: its figures are those of the click
+    assert older.caption.value.startswith("as of the click · cpu · ")
+
+
+def test_the_bar_has_a_legend_with_bytes_and_labels(ip, watch) -> None:
+    run(ip, "big = torch.ones(64 << 20)")  # 256 MiB: wide enough for its label inside the bar
+    bar = watch.live[-1].bar.value
+    legend = bar[bar.index("<div class=\"oom-legend\""):bar.index("<details")]
+    assert 'class="oom-legend-item oom-legend-user"' in legend and "user 256.00 MiB" in legend
+    assert "free " in legend and "rest of this process " in legend
+    assert 'title="tensors reachable from your variables (268,435,456 bytes)"' in legend  # exact bytes on hover
+    assert 'title="user: 256.00 MiB (268,435,456 bytes) — tensors reachable from your variables"' in bar
+    static = watch.live[-1].static_bundle()["text/html"]
+    assert "oom-legend-user" in static  # the static fallback keeps the legend
 
 
 def test_zero_live_widgets_shows_static_html_only(ip, watch) -> None:
@@ -294,10 +324,16 @@ def test_over_its_budget_the_hook_shows_the_quick_view_and_says_so(ip, watch, he
     # What the walk reaches is still named, and the output cache is still stale.
     assert snap.held_by("kept") == 64 * MiB and snap.stale_bytes == 32 * MiB
     assert widget.caption.value.endswith(" · stale 32.00 MiB (quick view)")
-    assert snap.notes[0].startswith("heap scan skipped: a full scan of this heap (")
-    assert "more than the after-cell budget of 0 ms (OomMagics.hook_budget_ms) leaves" in snap.notes[0]
-    assert any(n.startswith("quick view: ") for n in snap.notes)
-    assert "heap scan skipped" in widget.details_body.value
+    # One note, in plain words: what was counted, what was left out, and where the full picture is.
+    note = snap.notes[0]
+    assert note.startswith("quick view: to keep this view under 0 ms (OomMagics.hook_budget_ms), only the tensors "
+                           "your variables, the output cache and stored tracebacks hold were counted")
+    assert "Left out: garbage (objects that only refer to each other) and tensors a library keeps." in note
+    assert "%gpumem has the full picture." in note
+    assert [n for n in snap.notes if n.startswith("quick view")] == [note]
+    for engine_words in ("allocated blocks", "budget of", "heap scan", "holder walk"):
+        assert engine_words not in " ".join(snap.notes)
+    assert "%gpumem has the full picture." in widget.details_body.value
 
 
 def test_the_quick_view_misses_garbage_and_the_button_still_frees_it(ip, watch, heap_passes) -> None:

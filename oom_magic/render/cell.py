@@ -9,7 +9,7 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING
 
-from .html import bar_html
+from .html import bar_html, bar_legend_html
 from .segments import memory_segments
 from .text import bar, table
 from .units import format_bytes
@@ -22,13 +22,19 @@ if TYPE_CHECKING:
 DETAIL_HOLDERS = 5
 
 
-def cell_caption(report: CellReport, *, pinned: bool = False) -> str:
-    """``cuda:0 · 14.20 GiB / 15.78 GiB used · this cell +12.60 GiB (peak +13.10 GiB) · stale 1.20 GiB``."""
+def cell_caption(report: CellReport, *, pinned: bool = False, as_of: bool = False) -> str:
+    """``cuda:0 · 14.20 GiB / 15.78 GiB used · this cell +12.60 GiB (peak +13.10 GiB) · stale 1.20 GiB``.
+
+    ``as_of``: a newer cell has run since, so the figures are said to be those of this cell's end
+    (``as of In [12] · ...``), or of the last click on the widget's button (``as of the click``).
+    """
     snap, change = report.snapshot, report.change
     r = snap.reading
     parts = []
-    if pinned and change is not None and change.execution_count is not None:
-        parts.append(f"In [{change.execution_count}]")
+    if as_of and not pinned and report.freed is not None:
+        parts.append("as of the click")  # the button refreshed the figures after the cell ran
+    elif (pinned or as_of) and change is not None and change.execution_count is not None:
+        parts.append(f"{'as of ' if as_of and not pinned else ''}In [{change.execution_count}]")
     parts.append(snap.device)
     parts.append(f"{format_bytes(r.used)} / {format_bytes(r.total)} used")
     if change is not None and change.delta is not None:
@@ -92,19 +98,25 @@ def cell_details_html(snap: Snapshot, top: int = DETAIL_HOLDERS) -> str:
     return "".join(parts)
 
 
-def cell_html(report: CellReport, *, pinned: bool = False) -> str:
-    """The view as static HTML: caption, bar, what a cleanup freed, and collapsible details."""
+def cell_bar_html(snap: Snapshot) -> str:
+    """The widget's bar with its legend (the same in the live widget and the static view)."""
+    return bar_html(snap) + bar_legend_html(snap)
+
+
+def cell_html(report: CellReport, *, pinned: bool = False, as_of: bool = False) -> str:
+    """The view as static HTML: caption, bar and legend, what a cleanup freed, and collapsible details."""
     freed = f"<div class='oom-freed'>{escape(freed_line(report.freed))}</div>" if report.freed else ""
-    return (f"<div class='oom-cell'><div class='oom-caption'>{escape(cell_caption(report, pinned=pinned))}</div>"
-            f"{bar_html(report.snapshot)}{freed}<details><summary>details</summary>"
+    caption = cell_caption(report, pinned=pinned, as_of=as_of)
+    return (f"<div class='oom-cell'><div class='oom-caption'>{escape(caption)}</div>"
+            f"{cell_bar_html(report.snapshot)}{freed}<details><summary>details</summary>"
             f"{cell_details_html(report.snapshot)}</details></div>")
 
 
-def cell_text(report: CellReport, *, pinned: bool = False) -> str:
+def cell_text(report: CellReport, *, pinned: bool = False, as_of: bool = False) -> str:
     """The view as plain text: caption, a text bar, top holders, and how to free stale memory."""
     snap = report.snapshot
     segments = memory_segments(snap)
-    lines = [cell_caption(report, pinned=pinned), bar(segments, snap.reading.total) + "  "
+    lines = [cell_caption(report, pinned=pinned, as_of=as_of), bar(segments, snap.reading.total) + "  "
              + "  ".join(f"{s.label} {format_bytes(s.bytes)}" for s in segments if s.bytes)]
     if report.freed is not None:
         lines.append(freed_line(report.freed))

@@ -6,6 +6,7 @@ call source) is escaped in the HTML forms.
 from __future__ import annotations
 
 import math
+import re
 from html import escape
 from typing import TYPE_CHECKING, Iterable
 
@@ -469,11 +470,12 @@ def give_back_line(give_back: GiveBack, device: str) -> str:
 
 
 def retry_line(verdict: RetryVerdict | None, number: int, total: int) -> str:
-    """What the guard does after a failed attempt when retries are allowed."""
+    """What the guard does after a failed attempt (the figures are in the diagnosis's retry line just above)."""
     if verdict is not None and verdict.can_fit:
-        return (f"retry {number + 1} of {total}: {format_bytes(verdict.free_now)} is free now and the cell needs at "
-                f"least {format_bytes(verdict.need)} — running it again")
-    return "no retry: " + (retry_text(verdict).removeprefix("retry: ") if verdict else "no diagnosis")
+        return f"→ retry {number + 1} of {total}: running the cell again"
+    if verdict is None:
+        return "→ no retry: no diagnosis to say a retry would fit"
+    return "→ no retry"
 
 
 def short_message(report: GuardReport) -> str:
@@ -611,6 +613,35 @@ def guard_report_html(report: GuardReport) -> str:
         f"<td>{escape(v.change)}</td></tr>" for v in r.variables)
     table = (f"<table class='oom-table'><thead><tr><th>variable</th><th>bytes</th><th>dtype</th><th>device</th>"
              f"<th>change</th></tr></thead><tbody>{rows}</tbody></table>") if rows else ""
-    head = run_summary_text(r).splitlines()[0]
+    head, *rest = run_summary_text(r).splitlines()
+    # The cleanup, fit check and forensics were printed just above this report: the details do not repeat
+    # them (or the variables, in the table), only what was not said yet; print(report) tells it all again.
+    said = {"  " + _variable_line(v) for v in r.variables}
+    more = [line.strip() for line in rest if line not in said]
+    more.append("print(report) shows the whole story again: cleanup, fit check, each attempt")
     return (f"<div class='oom-guard'><b>{escape(head)}</b>{table}"
-            f"<details><summary>details</summary><pre>{escape(guard_report_text(r))}</pre></details></div>")
+            f"<details><summary>details</summary><pre>{escape(chr(10).join(more))}</pre></details></div>")
+
+
+# --------------------------------------------------------------------------- outside IPython
+
+_SCRIPT_WORDS = (
+    (re.compile(r"%freeall (\S+(?: \S+)*)  \(deletes them and frees what only they hold\)"),
+     lambda m: f"del {', '.join(m.group(1).split())}, then oom_magic.free_stale()"),
+    (re.compile(r" \(or %freeall NAME\)"), lambda m: " (then oom_magic.free_stale())"),
+    (re.compile(r"%freeall frees it any time"), lambda m: "oom_magic.free_stale() frees it any time"),
+    (re.compile(r"keep cleanup on \(it is unless --no-cleanup\)"), lambda m: "keep cleanup on (cleanup=True)"),
+    (re.compile(r"restart the kernel and run %%guardload first"),
+     lambda m: "start a new process and enter guard_load before anything initializes CUDA"),
+    (re.compile(r"restart the kernel"), lambda m: "restart the process"),
+    (re.compile(r"the failed cell"), lambda m: "the failed load"),
+    (re.compile(r"running the cell again"), lambda m: "running the load again"),
+    (re.compile(r"what the cell allocates"), lambda m: "what the guarded code allocates"),
+)
+
+
+def script_wording(text: str) -> str:
+    """The guard's hints phrased for a script outside IPython: Python calls instead of magics and cells."""
+    for pattern, words in _SCRIPT_WORDS:
+        text = pattern.sub(words, text)
+    return text

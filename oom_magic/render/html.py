@@ -19,16 +19,36 @@ COLORS = {"user": "#4c78a8", "stale": "#e45756", "other": "#b279a2", "untracked"
           "free": "#e8e8e8"}
 
 
+_DARK_TEXT = frozenset({"cache", "free", "context", "process-rest"})  # light colours: dark labels on them
+
+
 def bar_html(snap: Snapshot) -> str:
-    """A stacked bar, one coloured span per segment with its figure on hover."""
+    """A stacked bar, one coloured span per segment, labelled where it is wide enough, its bytes on hover."""
     segments = [s for s in memory_segments(snap) if s.bytes]
     total = snap.reading.total or sum(s.bytes for s in segments) or 1
-    spans = "".join(
-        f'<span class="oom-seg oom-seg-{s.key}" title="{escape(s.label)}: {format_bytes(s.bytes)} — {escape(s.explain)}" '
-        f'style="display:inline-block;height:14px;width:{max(100 * s.bytes / total, 0.3):.2f}%;background:{COLORS.get(s.key, "#888")}"></span>'
-        for s in segments
-    )
-    return f'<div class="oom-bar" style="width:100%;max-width:640px;white-space:nowrap;overflow:hidden;border:1px solid #ccc">{spans}</div>'
+    spans = []
+    for s in segments:
+        width = max(100 * s.bytes / total, 0.3)
+        label = escape(s.label) if width >= 12 else ""  # a label only where it can be read
+        color = "#222" if s.key in _DARK_TEXT else "#fff"
+        spans.append(
+            f'<span class="oom-seg oom-seg-{s.key}" title="{escape(s.label)}: {format_bytes(s.bytes)} '
+            f'({s.bytes:,} bytes) — {escape(s.explain)}" style="display:inline-block;height:16px;width:{width:.2f}%;'
+            f'background:{COLORS.get(s.key, "#888")};color:{color};font-size:11px;line-height:16px;overflow:hidden;'
+            f'text-overflow:ellipsis;vertical-align:top;text-indent:3px">{label}</span>')
+    return (f'<div class="oom-bar" style="width:100%;max-width:640px;white-space:nowrap;overflow:hidden;'
+            f'border:1px solid #ccc">{"".join(spans)}</div>')
+
+
+def bar_legend_html(snap: Snapshot) -> str:
+    """The bar's legend: each colour with its part's name and bytes; hover says what the part is."""
+    items = "".join(
+        f'<span class="oom-legend-item oom-legend-{s.key}" title="{escape(s.explain)} ({s.bytes:,} bytes)" '
+        f'style="margin-right:12px;white-space:nowrap"><span style="display:inline-block;width:10px;height:10px;'
+        f'margin-right:4px;vertical-align:middle;border:1px solid #999;background:{COLORS.get(s.key, "#888")}">'
+        f'</span>{escape(s.label)} {escape(format_bytes(s.bytes))}</span>'
+        for s in memory_segments(snap) if s.bytes)
+    return f'<div class="oom-legend" style="font-size:12px;line-height:1.7;max-width:640px">{items}</div>'
 
 
 def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:

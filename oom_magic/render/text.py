@@ -106,8 +106,13 @@ def free_report_text(report: FreeReport) -> str:
     for held in report.still_held:
         lines.append(held.sentence())
     before, after = report.before, report.after
-    lines.append(f"{report.device}: {format_bytes(before.used)} → {format_bytes(after.used)} used"
-                 + (f"; this process {format_bytes(before.process_used)} → {format_bytes(after.process_used)}"
-                    if before.process_used is not None else ""))
+    if report.device == "cpu" and before.process_used is not None and after.process_used is not None:
+        # The machine's total moves with every other process: this process's resident memory is what freeing moved.
+        lines.append(f"cpu: this process's resident memory {format_bytes(before.process_used)} → "
+                     f"{format_bytes(after.process_used)}")
+    else:
+        lines.append(f"{report.device}: {format_bytes(before.used)} → {format_bytes(after.used)} used"
+                     + (f"; this process {format_bytes(before.process_used)} → {format_bytes(after.process_used)}"
+                        if before.process_used is not None else ""))
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)

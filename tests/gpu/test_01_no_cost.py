@@ -37,12 +37,12 @@ def run(source):
 # The user has not imported torch: the extension must not import it.
 run("%load_ext oom_magic")
 facts["hooks_added"] = {e: len(ip.events.callbacks[e]) - n for e, n in hooks_before.items()}
-for source in ("a = 1", "snap0 = %gpumem", "b = [a] * 3"):
+for source in ("a = 1", "snap0 = %gpumem -o", "b = [a] * 3"):
     run(source)
 facts["torch_imported_without_user"] = "torch" in sys.modules
 
 # The user imports torch, CUDA untouched: idle cells run the hooks, %gpumem reads the GPU.
-for source in ("import torch", "c = 2", "snap = %gpumem", "%gpumem --all", "d = c + 1", "e = str(d)"):
+for source in ("import torch", "c = 2", "snap = %gpumem -o", "%gpumem --all", "d = c + 1", "e = str(d)"):
     run(source)
 import torch
 snap = ip.user_ns.get("snap")

@@ -35,14 +35,14 @@ def truth(torch) -> dict:
 def test_reading_equals_allocator_and_nvml(gpu_ip, cuda, checks):
     torch = cuda
     settle(torch)
-    empty = gpu_ip.run_line_magic("gpumem", "--device cuda:0 --all")
+    empty = gpu_ip.run_line_magic("gpumem", "-o --device cuda:0 --all")
     ok(gpu_ip, "a = torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda')\n"
                "b = torch.ones(1000, 1000, device='cuda')\n"
                "c = torch.zeros(3, 5, device='cuda')\n"
                "v = a[:10]")
     torch.cuda.synchronize()
     before = truth(torch)
-    snap = gpu_ip.run_line_magic("gpumem", "--device cuda:0 --all")
+    snap = gpu_ip.run_line_magic("gpumem", "-o --device cuda:0 --all")
     after = truth(torch)
     r = snap.reading
     checks.true("%gpumem reads cuda:0", snap.device, expected="cuda:0")
@@ -86,13 +86,13 @@ def test_autograd_graph_memory_shows_as_untracked(gpu_ip, cuda, checks):
     torch = cuda
     settle(torch)
     ok(gpu_ip, "w = torch.randn(4096, 4096, device='cuda', requires_grad=True)")
-    first = gpu_ip.run_line_magic("gpumem", "--device cuda:0")
+    first = gpu_ip.run_line_magic("gpumem", "-o --device cuda:0")
     allocated_before = torch.cuda.memory_allocated(0)
     # sin() saves its input (w * 2, 64 MiB) for backward: only the autograd graph holds it.
     ok(gpu_ip, "y = (w * 2).sin().sum()")
     torch.cuda.synchronize()
     graph = torch.cuda.memory_allocated(0) - allocated_before - 512  # y itself: one 512-byte block
-    second = gpu_ip.run_line_magic("gpumem", "--device cuda:0")
+    second = gpu_ip.run_line_magic("gpumem", "-o --device cuda:0")
     checks.equal("ground truth: the graph holds the saved activation", 4096 * 4096 * 4, graph, tol=64 * 1024)
     checks.equal("untracked grew by what only the graph holds", graph,
                  (second.untracked_bytes or 0) - (first.untracked_bytes or 0), tol=64 * 1024,

@@ -85,7 +85,7 @@ def test_trap_on_cuda(gpu_ip, cuda, checks, trap):
             gpu_ip.run_cell(source, store_history=True)
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated(0) - baseline
-        snap = gpu_ip.run_line_magic("gpumem", "--device cuda:0 --all")
+        snap = gpu_ip.run_line_magic("gpumem", "-o --device cuda:0 --all")
         label = f"[{trap.name}]"
         if trap.freed:
             checks.equal(f"{label} %gpumem: {trap.kind} bytes", trap.size, snap.kind_bytes(trap.kind))

@@ -64,7 +64,7 @@ def test_widget_figures_equal_allocator_and_nvml(gpu_ip, cuda, checks, out_dir):
         delta_text = f"this cell {format_bytes(allocated - allocated_before, signed=True)}"
         checks.true("caption shows the cell's change", delta_text in caption, note=caption)
         checks.true("bar shows the user figure on hover", f"user: {format_bytes(bar.get('user'))}" in widget.bar.value)
-    timeline = gpu_ip.run_line_magic("gpumem", f'--plot "{out_dir / "timeline.png"}"')
+    timeline = gpu_ip.run_line_magic("gpumem", f'-o --plot "{out_dir / "timeline.png"}"')
     checks.true("the timeline PNG was written", (out_dir / "timeline.png").exists(), note=repr(timeline))
     records = watch.watcher.records("cuda:0")
     checks.equal("the timeline's last cell == memory_allocated()", allocated, records[-1].allocated if records else None)

@@ -134,7 +134,31 @@ def test_quickstart_runs_in_jupyterlab(browser_page, jupyter_lab: JupyterLab) ->
     assert widget.locator(".oom-bar .oom-seg-stale").is_visible()
     button = widget.locator("button.widget-button", has_text="Free stale tensors")
     assert button.inner_text().strip() == "Free stale tensors (32.00 MiB)"
+    # The bar is labelled: a legend names each colour with its bytes, and a segment's hover gives exact bytes.
+    legend = widget.locator(".oom-legend")
+    assert legend.is_visible()
+    items = [t.strip() for t in legend.locator(".oom-legend-item").all_inner_texts()]
+    assert "stale 32.00 MiB" in items, items
+    assert any(re.fullmatch(r"user \d+\.\d\d MiB", t) for t in items), items
+    stale_segment = widget.locator(".oom-bar .oom-seg-stale")
+    assert "stale: 32.00 MiB (33,554,432 bytes)" in (stale_segment.get_attribute("title") or "")
+    swatch = legend.locator(".oom-legend-stale span").first
+    assert swatch.evaluate("e => getComputedStyle(e).backgroundColor") == \
+        stale_segment.evaluate("e => getComputedStyle(e).backgroundColor")  # the legend's colour is the bar's
+    # An older widget says which cell its figures are from.
+    load_caption = cells.nth(_cell_index("load")).locator(".widget-vbox .widget-label").first
+    assert re.match(r"as of In \[\d+\] · ", load_caption.inner_text()), load_caption.inner_text()
+    load_caption.scroll_into_view_if_needed()
+    cells.nth(_cell_index("load")).screenshot(path=str(OUTPUT / "quickstart-older-widget.png"))
+    last.scroll_into_view_if_needed()
     last.screenshot(path=str(OUTPUT / "quickstart-widget-before.png"))
+    # Its details, opened: holders, and (for the quick view) what was left out, in plain words.
+    widget.locator("details.oom-details > summary").click()
+    notes = widget.locator("details.oom-details .oom-notes").all_inner_texts()
+    if "(quick view)" in caption.inner_text():
+        assert any("%gpumem has the full picture." in n for n in notes), notes
+    last.screenshot(path=str(OUTPUT / "quickstart-widget-details.png"))
+    widget.locator("details.oom-details > summary").click()
 
     button.click()
     page.wait_for_function(

@@ -1,0 +1,59 @@
+"""The fit check as the command prints it: the guard's preflight text and a verdict, or JSON."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .guard import option_code, preflight_text, target_label
+from .json import record_dict
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from ..preflight import FitCheck, Preflight
+
+
+def verdict_line(preflight: Preflight) -> str:
+    """One line for a log: fits (with the margin), will not fit (short by, first option that fits), or not checked."""
+    if preflight.fits is None:
+        reason = next((c.reason for c in preflight.checks if c.reason), None) or "; ".join(preflight.notes)
+        return f"not checked: {reason}"
+    if preflight.fits:
+        check = preflight.checks[0]
+        return f"fits on {_where(check)}: {format_bytes(check.need)} needed, {format_bytes(check.margin)} to spare"
+    check = preflight.will_not_fit[0]
+    first = next((o for o in check.options if o.fits), None)
+    hint = f"; fits with {option_code(first)}" if first is not None else ""
+    return (f"WILL NOT FIT on {_where(check)}: {format_bytes(check.need)} needed, "
+            f"{format_bytes(-(check.margin or 0))} short{hint}")
+
+
+def fit_text(preflight: Preflight) -> str:
+    """The preflight as %%guardload prints it, then the verdict line."""
+    return f"{preflight_text(preflight)}\n{verdict_line(preflight)}"
+
+
+def _where(check: FitCheck) -> str:
+    return target_label(check.target) if check.target is not None else check.device
+
+
+def fit_dict(preflight: Preflight) -> dict[str, Any]:
+    """The fit check as JSON-ready data: verdict, and per load its need, budget, margin and options (int bytes)."""
+    checks = []
+    for check in preflight.checks:
+        checks.append({
+            "line": check.call.line, "source": check.call.source, "checkpoint": check.call.checkpoint,
+            "device": check.device, "verdict": check.verdict, "reason": check.reason,
+            "need": check.need, "dtype": check.dtype, "free": check.free, "context": check.context,
+            "headroom": check.headroom, "budget": check.budget, "margin": check.margin,
+            "parameters": check.parameters, "format": check.format, "files": check.files,
+            "split": [list(s) for s in check.split],
+            "target": record_dict(check.target) if check.target is not None else None,
+            "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],
+        })
+    return {
+        "fits": preflight.fits,
+        "verdict": "unknown" if preflight.fits is None else "fits" if preflight.fits else "will-not-fit",
+        "summary": verdict_line(preflight),
+        "checks": checks,
+        "lints": [dict(record_dict(x), text=x.text()) for x in preflight.lints],
+        "notes": list(preflight.notes),
+    }
