@@ -323,9 +323,10 @@ def walkthrough() -> nbformat.NotebookNode:
 
         `torch.load` restores every tensor to the device it was saved from, so a checkpoint saved on
         `cuda:0` lands on `cuda:0` — full, or absent — before you decide anything. `%%guardload`
-        reads the cell before it runs and flags the missing `map_location` (and `weights_only`).
-        On a GPU the first cell below puts the weights on `cuda:0`; on the cpu both land on the cpu,
-        and the lint is the same.
+        reads the cell before it runs and, when the file was saved from a GPU, flags the missing
+        `map_location`; it flags a missing `weights_only` either way. On a GPU the first cell below
+        puts the weights on `cuda:0`; on the cpu the file was saved from the cpu, so both land on
+        the cpu and only the `weights_only` lint shows.
         """),
         code("fix2-before", """
         %%guardload
