@@ -1,0 +1,719 @@
+"""Reach what the roots hold through the interpreter's own traversal, and name the way to a few objects.
+
+The walk is breadth-first over ``gc.get_referents`` (each type's C-level ``tp_traverse``), so
+no Python code of the user's ever runs and every holder is reached (deques, lru caches,
+``functools.partial``, closures, slots, C extension containers) without per-type code. It
+works a level at a time in bulk C-level passes (``map``, ``compress``, set difference on ids),
+keeps one entry per object visited (its id -> its parent) and never hashes or compares a
+user's object or type: membership is by ``id``.
+
+Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
+through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
+a frame through its locals. Untracked numpy object arrays are expanded by their items. Paths
+through a dict's *keys* are taken only after everything reachable through values, attributes and
+indexes (an optimizer's ``state`` is keyed by the parameters a model names).
+
+Names are made after the walk, for the objects asked about only: each parent-to-child link is
+found with C-level reads (dict items, sequence indexes, member descriptors, a frame's locals) and
+kept as *steps* (plain strings and ints, no references), which ``resolve`` re-reads later to
+check a remembered path still reaches the same object.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import types
+from itertools import chain, compress, count, repeat
+from typing import Any, Callable, Iterable
+
+# What the walk does with an object, decided once per type (by the type's id).
+GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP = range(6)
+# Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
+SLICE = 8192
+# Paths longer than this many steps are shown with their middle elided.
+MAX_SHOWN_STEPS = 64
+
+_SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
+               types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
+               types.MemberDescriptorType, types.ClassMethodDescriptorType, property, staticmethod,
+               classmethod, types.MappingProxyType)
+_PLAIN_KEYS = (str, int, float, bool, bytes, type(None))
+_MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
+_type_dict = type.__dict__["__dict__"].__get__
+_type_mro = type.__dict__["__mro__"].__get__
+_type_name = type.__dict__["__name__"].__get__
+
+
+class Root:
+    """A starting point of the walk: its holder kind and the name the user knows it by."""
+
+    __slots__ = ("kind", "name")
+
+    def __init__(self, kind: str, name: str) -> None:
+        self.kind, self.name = kind, name
+
+
+def mro_has(cls: type, base: type) -> bool:
+    """Whether ``base`` is in ``cls``'s MRO, by identity (no metaclass ``__eq__``/``__hash__`` runs)."""
+    try:
+        return any(k is base for k in _type_mro(cls))
+    except Exception:
+        return False
+
+
+def classify(cls: type, ndarray: type | None) -> int:
+    """Which branch of the walk handles instances of ``cls``."""
+    if cls is dict:
+        return DICT
+    if cls is types.FunctionType:
+        return FUNCTION
+    if cls is types.FrameType:
+        return FRAME
+    try:
+        mro = _type_mro(cls)
+    except Exception:
+        return SKIP
+    for base in mro:
+        if base is type or any(base is s for s in _SKIP_TYPES):
+            return SKIP
+    if ndarray is not None and any(k is ndarray for k in mro):
+        return NDARRAY
+    if any(k is dict for k in mro):
+        return DICT
+    return GENERIC
+
+
+class Walk:
+    """One breadth-first walk; ``parent`` maps the id of every object reached to its parent (or Root).
+
+    ``skip``: objects never entered (the namespace dicts, the shell, our own lists). ``wanted``:
+    ids of the tensors whose storages need a holder (id -> storage key); the walk stops once each
+    of those storages is reached. ``collect``: tensor type ids whose instances are gathered as met
+    (the quick view, which has no heap pass).
+    """
+
+    def __init__(self, skip: Iterable[object], *, wanted: dict[int, int] | None = None,
+                 collect: frozenset[int] | None = None, deadline: float = float("inf"),
+                 budget_nodes: int = 10_000_000) -> None:
+        numpy = sys.modules.get("numpy")
+        self.ndarray: type | None = getattr(numpy, "ndarray", None)
+        self._nd_id = id(self.ndarray) if self.ndarray is not None else -1
+        self.parent: dict[int, Any] = dict.fromkeys(map(id, skip))  # None: never entered
+        self.wanted = wanted if wanted is not None else {}
+        self._wanted_ids = set(self.wanted)
+        self.storages_left = len(set(self.wanted.values()))
+        self.found: dict[int, int] = {}  # storage key -> id(first tensor reaching it)
+        self.collect = collect
+        self.met: list[Any] = []  # tensors met (collect mode)
+        self.deadline = deadline
+        self.budget_nodes = budget_nodes
+        self.complete = True   # False: stopped by the deadline or the node budget
+        self.exhausted = False  # True: everything reachable from the roots given was walked
+        self.nodes = 0
+        self._cats: dict[int, int] = {}
+        self._types: list[type] = []  # keeps classified types alive while their ids are cached
+        self._level: list[Any] = []
+        self._keys: list[Any] = []  # dict keys met, walked after values (objects and their dicts)
+        self._key_parents: list[Any] = []
+        self._frames: list[Any] = []  # locals dicts read from frames: kept alive while ids are in use
+
+    # -- walking -------------------------------------------------------------------------------
+    def start(self, kind: str, roots: Iterable[tuple[str, object]]) -> None:
+        """Queue roots of one holder kind (walked by ``run``); a root already reached is skipped."""
+        parent = self.parent
+        for name, obj in roots:
+            if id(obj) not in parent:
+                parent[id(obj)] = Root(kind, name)
+                self._level.append(obj)
+                self._note_wanted((id(obj),))
+        self.exhausted = False
+
+    def run(self) -> None:
+        """Walk from the queued roots until done, every wanted storage is reached, or out of budget."""
+        while self.complete and not self.done:
+            if not self._level:
+                if not self._keys:
+                    self.exhausted = True
+                    return
+                level, parents = self._keys, self._key_parents
+                self._keys, self._key_parents = [], []
+                self._level = self._mark(level, parents)
+                continue
+            level, self._level = self._level, []
+            following: list[Any] = []
+            for start in range(0, len(level), SLICE):
+                kids, parents = self._expand(level[start:start + SLICE])
+                for at in range(0, len(kids), SLICE):  # one huge container is marked a slice at a time
+                    following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE]))
+                    if self._out_of_budget() or self.done:
+                        break
+                del kids, parents
+                if not self.complete or self.done:
+                    break
+            self._level = following
+
+    @property
+    def done(self) -> bool:
+        return bool(self.wanted) and self.storages_left == 0
+
+    def release(self) -> None:
+        """Drop every reference the walk holds (parents, queues): nothing is pinned after a scan."""
+        self.parent.clear()
+        self.found.clear()
+        self.met.clear()
+        self._level.clear()
+        self._keys.clear()
+        self._key_parents.clear()
+        self._frames.clear()
+        self._types.clear()
+
+    def _out_of_budget(self) -> bool:
+        if self.nodes >= self.budget_nodes or time.perf_counter() > self.deadline:
+            self.complete = False
+        return not self.complete
+
+    def _expand(self, level: list[Any]) -> tuple[list[Any], list[Any]]:
+        """What one slice of a level refers to, and the parent of each (the same length)."""
+        cats = self._cats
+        tids = list(map(id, map(type, level)))
+        unknown = set(tids).difference(cats)
+        if unknown:
+            for obj in level:
+                tid = id(type(obj))
+                if tid in unknown:
+                    cats[tid] = classify(type(obj), self.ndarray)
+                    self._types.append(type(obj))
+                    unknown.discard(tid)
+                    if not unknown:
+                        break
+        kinds = list(map(cats.__getitem__, tids))
+        present = set(kinds)
+        kids: list[Any] = []
+        parents: list[Any] = []
+        for what in present:
+            objs = level if len(present) == 1 else list(compress(level, map(what.__eq__, kinds)))
+            if what is GENERIC:
+                lists = list(map(gc.get_referents, objs))
+                self._extend(kids, parents, objs, lists)
+            elif what is DICT:
+                lists = list(map(list, map(dict.values, objs)))
+                self._extend(kids, parents, objs, lists)
+                keys = [list(filter(gc.is_tracked, dict.keys(d))) for d in objs if dict.__len__(d)]
+                if any(keys):
+                    owners = [d for d in objs if dict.__len__(d)]
+                    self._keys.extend(chain.from_iterable(keys))
+                    self._key_parents.extend(chain.from_iterable(map(repeat, owners, map(len, keys))))
+            elif what is FUNCTION:
+                lists = [[c for c in (f.__closure__, f.__defaults__, f.__kwdefaults__,
+                                      _function_dict(f)) if c is not None] for f in objs]
+                self._extend(kids, parents, objs, lists)
+            elif what is FRAME:
+                lists = [self._frame_locals(f) for f in objs]
+                self._extend(kids, parents, objs, lists)
+            elif what is NDARRAY:
+                lists = [_array_items(a, self.ndarray) for a in objs]
+                self._extend(kids, parents, objs, lists)
+        return kids, parents
+
+    @staticmethod
+    def _extend(kids: list[Any], parents: list[Any], objs: list[Any], lists: list[list[Any]]) -> None:
+        kids.extend(chain.from_iterable(lists))
+        parents.extend(chain.from_iterable(map(repeat, objs, map(len, lists))))
+
+    def _mark(self, kids: list[Any], parents: list[Any]) -> list[Any]:
+        """Keep the tracked children (and untracked object arrays) not reached before; record parents."""
+        mask = list(map(gc.is_tracked, kids))
+        nd_id = self._nd_id
+        if nd_id != -1 and not all(mask):
+            # numpy arrays are not gc-tracked: find them among the children by type id.
+            for i in compress(count(), map(nd_id.__eq__, map(id, map(type, kids)))):
+                mask[i] = True
+        kids = list(compress(kids, mask))
+        parents = list(compress(parents, mask))
+        ids = list(map(id, kids))
+        parent_of = dict(zip(ids, parents))
+        new = set(parent_of).difference(self.parent)  # iterates the slice, not everything visited
+        if not new:
+            return []
+        self.parent.update(zip(new, map(parent_of.__getitem__, new)))
+        self.nodes += len(new)
+        objects = dict(zip(ids, kids))
+        level = list(map(objects.__getitem__, new))
+        if self.wanted:
+            self._note_wanted(new)
+        if self.collect is not None:
+            tensors = list(compress(level, map(self.collect.__contains__, map(id, map(type, level)))))
+            self.met.extend(tensors)
+        return level
+
+    def _note_wanted(self, ids: Iterable[int]) -> None:
+        if not self.wanted:
+            return
+        hits = self._wanted_ids.intersection(ids)
+        for tid in hits:
+            key = self.wanted[tid]
+            if key not in self.found:
+                self.found[key] = tid
+                self.storages_left -= 1
+
+    def _frame_locals(self, frame: types.FrameType) -> list[Any]:
+        """A function frame's local values; a module or class body's locals are globals: not entered."""
+        try:
+            if frame.f_code.co_flags & 0x1 == 0:  # CO_OPTIMIZED unset: module or class body
+                return []
+            local = frame.f_locals
+        except Exception:
+            return []
+        if type(local) is not dict:
+            return []
+        self._frames.append(local)
+        return list(dict.values(local))
+
+
+def _function_dict(f: types.FunctionType) -> dict | None:
+    try:
+        d = types.FunctionType.__dict__["__dict__"].__get__(f)
+    except Exception:
+        return None
+    return d if type(d) is dict and dict.__len__(d) else None
+
+
+def _array_items(array: Any, ndarray: type | None) -> list[Any]:
+    """The objects in a numpy object array (none for any other dtype), read through ndarray's own methods."""
+    if ndarray is None:
+        return []
+    try:
+        if not ndarray.dtype.__get__(array).hasobject:
+            return []
+        return ndarray.tolist(ndarray.ravel(array))
+    except Exception:
+        return []
+
+
+# -- naming ------------------------------------------------------------------------------------
+# A step is a tuple: ("attr", name) an attribute or slot; ("key", k) a dict value by a plain key;
+# ("keytype", "Type") a dict value by a key shown by its type; ("keypath", id) a dict value keyed by
+# an object named elsewhere (a parameter); ("iskey", "Type") the dict key itself; ("index", i);
+# ("member", i) a set's i-th member; ("closure", i) a closure cell's contents; ("local", fn, name);
+# ("cache",) an lru cache's result; ("flat", i) an object array's i-th item; ("via", "Type") an
+# unnamed link; ("", ) a step shown as nothing (an instance's __dict__, a traceback).
+Step = tuple
+
+
+class Namer:
+    """Turns the walk's parent links into steps, for the objects asked about, with memoised prefixes."""
+
+    def __init__(self, walk: Walk, module_type: type | None) -> None:
+        self.walk = walk
+        self.module_type = module_type
+        self._steps: dict[int, tuple[Root | None, tuple[Step, ...]]] = {}
+        self._reverse: dict[int, dict[int, Any]] = {}  # id(container) -> id(child) -> its key/index
+
+    def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
+        """The root and the steps from it to the object with this id (None root: not reached)."""
+        chain_ids: list[int] = []
+        node = obj_id
+        parent = self.walk.parent
+        root: Root | None = None
+        prefix: tuple[Step, ...] = ()
+        while True:
+            known = self._steps.get(node)
+            if known is not None:
+                root, prefix = known
+                break
+            up = parent.get(node)
+            if up is None:
+                return None, ()
+            if type(up) is Root:
+                root = up
+                break
+            chain_ids.append(node)
+            node = id(up)
+        # chain_ids: child ... nearest-to-root; build forward.
+        steps = list(prefix)
+        for child_id in reversed(chain_ids):
+            up = parent[child_id]
+            steps.extend(self._link(up, child_id))
+            self._steps[child_id] = (root, tuple(steps))
+        return root, tuple(steps)
+
+    def _link(self, parent: Any, child_id: int) -> list[Step]:
+        """How ``parent`` refers to the object with id ``child_id``, read at C level."""
+        try:
+            return self._link_unsafe(parent, child_id)
+        except Exception:
+            return [("via", _qualname(type(parent)))]
+
+    def _link_unsafe(self, parent: Any, child_id: int) -> list[Step]:
+        cls = type(parent)
+        if cls is types.FunctionType:
+            closure = parent.__closure__
+            if closure is not None and id(closure) == child_id:
+                return [("", "__closure__")]
+            if id(parent.__defaults__) == child_id:
+                return [("attr", "__defaults__")]
+            if id(parent.__kwdefaults__) == child_id:
+                return [("attr", "__kwdefaults__")]
+            return [("",)]  # its __dict__: the next step is an attribute
+        if cls is types.FrameType:
+            names = self._reverse_map(parent, lambda: dict.items(parent.f_locals))
+            return [("local", parent.f_code.co_name, names.get(child_id, "?"))]
+        if cls is types.TracebackType:
+            return [("tb",)]
+        if cls is types.CellType:
+            return [("cell",)]
+        if mro_has(cls, dict):
+            values = self._reverse_map(parent, lambda: dict.items(parent))
+            if child_id in values:
+                return [self._key_step(values[child_id])]
+            for key in dict.keys(parent):
+                if id(key) == child_id:
+                    return [("iskey", _qualname(type(key)))]
+            return [("via", _qualname(cls))]
+        if mro_has(cls, tuple) and self._is_closure_of_parent(parent):
+            index = self._index_of(parent, child_id, tuple.__iter__)
+            return [("closure", index)]
+        for base, it in ((list, list.__iter__), (tuple, tuple.__iter__), (_deque(), _deque_iter())):
+            if base is not None and mro_has(cls, base):
+                return [("index", self._index_of(parent, child_id, it))]
+        for base, it in ((set, set.__iter__), (frozenset, frozenset.__iter__)):
+            if mro_has(cls, base):
+                return [("member", self._index_of(parent, child_id, it))]
+        ndarray = self.walk.ndarray
+        if ndarray is not None and mro_has(cls, ndarray):
+            return [("flat", self._index_of(parent, child_id, lambda a: iter(_array_items(a, ndarray))))]
+        if _type_name(cls) == "_lru_cache_wrapper":
+            d = _instance_dict_if_present(parent)
+            if d is not None and id(d) == child_id:
+                return [("",)]
+            if type(_find(gc.get_referents(parent), child_id)) is dict:
+                return [("", "cache")]
+            return [("cache",)]
+        if mro_has(cls, BaseException):
+            for name in ("args", "__traceback__", "__cause__", "__context__"):
+                value = BaseException.__dict__[name].__get__(parent)
+                if id(value) == child_id:
+                    return [("",)] if name == "__traceback__" else [("attr", name)]
+        # An instance: its __dict__ (already there), an inline attribute, or a slot.
+        d = _instance_dict_if_present(parent)
+        if d is not None and id(d) == child_id:
+            return [("",)]
+        name = self._attribute_name(parent, child_id)
+        if name is not None:
+            return [("attr", name)]
+        return [("via", _qualname(cls))]
+
+    def _is_closure_of_parent(self, tup: Any) -> bool:
+        up = self.walk.parent.get(id(tup))
+        return type(up) is types.FunctionType and up.__closure__ is tup
+
+    def _key_step(self, key: Any) -> Step:
+        if type(key) in _PLAIN_KEYS:
+            return ("key", key)
+        if id(key) in self.walk.parent and self.walk.parent.get(id(key)) is not None:
+            return ("keypath", id(key), _qualname(type(key)))
+        return ("keytype", _qualname(type(key)))
+
+    def _reverse_map(self, container: Any, items: Callable[[], Iterable[tuple[Any, Any]]]) -> dict[int, Any]:
+        cached = self._reverse.get(id(container))
+        if cached is None:
+            keys, values = [], []
+            for k, v in items():
+                keys.append(k)
+                values.append(v)
+            # Reversed: the first key holding a value wins.
+            cached = dict(zip(map(id, reversed(values)), reversed(keys)))
+            self._reverse[id(container)] = cached
+        return cached
+
+    def _index_of(self, container: Any, child_id: int, iterate: Callable[[Any], Any]) -> int:
+        cached = self._reverse.get(id(container))
+        if cached is None:
+            ids = list(map(id, iterate(container)))
+            cached = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))
+            self._reverse[id(container)] = cached
+        return cached.get(child_id, -1)
+
+    def _attribute_name(self, obj: Any, child_id: int) -> str | None:
+        """The attribute or slot of ``obj`` holding the child: member descriptors, then the instance dict."""
+        cls = type(obj)
+        for klass in _type_mro(cls):
+            for name, value in _mapping_items(klass):
+                if type(value) is types.MemberDescriptorType:
+                    try:
+                        if id(value.__get__(obj, cls)) == child_id:
+                            return name if type(name) is str else None
+                    except Exception:
+                        continue
+        d = instance_attributes(obj)
+        if d:
+            names = self._reverse_map(obj, lambda: dict.items(d))
+            name = names.get(child_id)
+            if type(name) is str:
+                return name
+        return None
+
+    def clear(self) -> None:
+        self._steps.clear()
+        self._reverse.clear()
+
+
+def _mapping_items(klass: type) -> list[tuple[Any, Any]]:
+    try:
+        return list(_type_dict(klass).items())  # a mappingproxy over the class dict: C-level
+    except Exception:
+        return []
+
+
+def _find(objs: list[Any], obj_id: int) -> Any:
+    for o in objs:
+        if id(o) == obj_id:
+            return o
+    return None
+
+
+_DEQUE: list[Any] = []
+
+
+def _deque() -> type | None:
+    if not _DEQUE:
+        import collections
+
+        _DEQUE.append(collections.deque)
+    return _DEQUE[0]
+
+
+def _deque_iter() -> Callable[[Any], Any]:
+    return _deque().__iter__
+
+
+def _qualname(cls: type) -> str:
+    try:
+        name = type.__dict__["__qualname__"].__get__(cls)
+        return name if type(name) is str else "?"
+    except Exception:
+        return "?"
+
+
+def plain_dict_slot(cls: type) -> bool:
+    """Whether the first ``__dict__`` along ``cls``'s MRO is CPython's own descriptor (no user code)."""
+    try:
+        for klass in _type_mro(cls):
+            found = _type_dict(klass).get("__dict__", _MISSING)
+            if found is not _MISSING:
+                return type(found) is types.GetSetDescriptorType or type(found) is types.MemberDescriptorType
+    except Exception:
+        return False
+    return False
+
+
+_MISSING = object()
+
+
+def _instance_dict_if_present(obj: Any) -> dict | None:
+    """The instance's ``__dict__`` if one is already materialised and reachable as a referent."""
+    for ref in gc.get_referents(obj):
+        if type(ref) is dict:
+            d = instance_attributes(obj)
+            return d if d is ref else None
+    return None
+
+
+def instance_attributes(obj: Any) -> dict:
+    """An object's ``__dict__`` read through CPython's own slot (no user code runs), or {}.
+
+    On Python 3.11+ this makes the dict if the instance kept its attributes inline: it is called
+    only for objects on a path being named (a handful), never per object walked.
+    """
+    if not plain_dict_slot(type(obj)):
+        return {}
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return {}
+    return d if type(d) is dict else {}
+
+
+# -- showing and re-reading steps -----------------------------------------------------------------
+def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | None],
+           module_type: type | None = None) -> str:
+    """The path text a user would type: ``model.layers[3].mlp.up_proj.weight``, ``d['k'][2]``."""
+    parts: list[str] = [root.name]
+    as_attr = False  # the next key step names an attribute (an instance's or a module's __dict__)
+    module_child = False  # the next key step names a module's parameter, buffer or submodule
+    for step in steps:
+        tag = step[0]
+        text = ""
+        if tag == "":
+            if len(step) > 1 and step[1] == "__closure__":
+                text = ".__closure__"
+            elif len(step) > 1 and step[1] == "cache":
+                text = ".cache"
+            as_attr = len(step) == 1
+            parts.append(text)
+            continue
+        if tag == "key":
+            key = step[1]
+            if module_child and type(key) is str:
+                text = f"[{key}]" if key.isdigit() else f".{key}"
+            elif as_attr and type(key) is str and key.isidentifier():
+                text = f".{key}"
+            else:
+                text = f"[{_key_repr(key)}]"
+            module_child = as_attr and type(key) is str and key in _MODULE_CHILD_DICTS
+            if module_child:
+                parts.append("")
+                as_attr = False
+                continue
+        elif tag == "attr":
+            text = f".{step[1]}"
+            module_child = step[1] in _MODULE_CHILD_DICTS
+            if module_child:
+                parts.append("")
+                as_attr = False
+                continue
+        else:
+            module_child = False
+            if tag == "keytype":
+                text = f"[<{step[1]} key>]"
+            elif tag == "keypath":
+                shown = key_text(step[1])
+                text = f"[{shown}]" if shown is not None else f"[<{step[2]} key>]"
+            elif tag == "iskey":
+                text = f".keys()[<{step[1]}>]"
+            elif tag == "index":
+                text = f"[{step[1]}]"
+            elif tag == "member":
+                text = f"{{#{step[1]}}}"
+            elif tag == "closure":
+                text = f"[{step[1]}]"
+            elif tag == "cell":
+                text = ".cell_contents"
+            elif tag == "tb":
+                text = ""
+            elif tag == "local":
+                text = f" → frame {step[1]} → local {step[2]}"
+            elif tag == "cache":
+                text = ".cache[…]"
+            elif tag == "flat":
+                text = f".flat[{step[1]}]"
+            elif tag == "via":
+                text = f"→{step[1]}"
+        as_attr = False
+        parts.append(text)
+    shown = [p for p in parts[1:] if p]
+    if len(shown) > MAX_SHOWN_STEPS:
+        shown = shown[:8] + [" … "] + shown[-8:]
+    return parts[0] + "".join(shown)
+
+
+def _key_repr(key: Any) -> str:
+    try:
+        text = repr(key)  # plain keys only: str, int, float, bool, bytes, None
+    except Exception:
+        return f"<{_qualname(type(key))} key>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def resolve(obj: Any, steps: tuple[Step, ...]) -> Any:
+    """Follow remembered steps from ``obj`` with C-level reads; _MISSING where a step no longer holds.
+
+    Only steps that can be re-read without running code are followed (plain dict keys, indexes,
+    instance attributes and slots, closure cells); any other step fails, so the caller walks.
+    """
+    pending_attr = False
+    for step in steps:
+        tag = step[0]
+        if tag == "":
+            if len(step) > 1 and step[1] == "__closure__":
+                if type(obj) is not types.FunctionType or obj.__closure__ is None:
+                    return _MISSING
+                obj = obj.__closure__
+                continue
+            if len(step) > 1:
+                return _MISSING
+            if type(obj) is types.FunctionType:
+                obj = _function_dict(obj) or {}
+                continue
+            pending_attr = True
+            continue
+        if tag == "key":
+            if pending_attr:
+                pending_attr = False
+                obj = _read_attribute(obj, step[1])
+            elif type(obj) is dict:
+                obj = dict.get(obj, step[1], _MISSING)
+            elif mro_has(type(obj), dict) and type(step[1]) in _PLAIN_KEYS:
+                obj = dict.get(obj, step[1], _MISSING)
+            else:
+                return _MISSING
+        elif tag == "attr":
+            obj = _read_attribute(obj, step[1])
+        elif tag == "index":
+            cls = type(obj)
+            try:
+                if cls is list or cls is tuple:
+                    obj = obj[step[1]]
+                elif mro_has(cls, list):
+                    obj = list.__getitem__(obj, step[1])
+                elif mro_has(cls, tuple):
+                    obj = tuple.__getitem__(obj, step[1])
+                else:
+                    return _MISSING
+            except IndexError:
+                return _MISSING
+        elif tag == "closure":
+            if not mro_has(type(obj), tuple):
+                return _MISSING
+            try:
+                obj = tuple.__getitem__(obj, step[1])
+            except IndexError:
+                return _MISSING
+        elif tag == "cell":
+            if type(obj) is not types.CellType:
+                return _MISSING
+            try:
+                obj = obj.cell_contents
+            except ValueError:
+                return _MISSING
+        else:
+            return _MISSING
+        if obj is _MISSING:
+            return _MISSING
+    return _MISSING if pending_attr else obj
+
+
+def _read_attribute(obj: Any, name: Any) -> Any:
+    """``obj.name`` read without running code: a slot's member descriptor, or the instance's own value."""
+    if type(name) is not str:
+        return _MISSING
+    cls = type(obj)
+    if cls is dict:  # a module's child dicts are walked as dicts with attribute-looking keys
+        return dict.get(obj, name, _MISSING)
+    try:
+        mro = _type_mro(cls)
+    except Exception:
+        return _MISSING
+    for klass in mro:
+        found = _type_dict(klass).get(name, _MISSING)
+        if found is not _MISSING:
+            if type(found) is types.MemberDescriptorType:
+                try:
+                    return found.__get__(obj, cls)
+                except AttributeError:
+                    return _MISSING
+            if klass is BaseException and type(found) is types.GetSetDescriptorType:
+                return found.__get__(obj, cls)
+            return _MISSING  # a property or other descriptor: reading it could run code
+    if not plain_dict_slot(cls):
+        return _MISSING
+    try:
+        # The name is no descriptor of the class: this reads the instance's own value (inline or in
+        # its dict) without making a dict or calling __getattr__.
+        return object.__getattribute__(obj, name)
+    except AttributeError:
+        return _MISSING
+
+
+MISSING = _MISSING
