@@ -115,111 +115,127 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
     reader = _Reader(torch) if torch is not None else None
     byteless_types = frozenset(id(t) for t in types if t.__name__ in _BYTELESS_TYPE_NAMES)
     bare = frozenset(map(id, storage_types(torch))) if torch is not None else frozenset()
-    scanned = objects_scanned
     kept: list[Any] = []
     storage_of: dict[int, int] = {}
     # storage key -> [device, bytes, tensor naming it, tensor count, that tensor's shape or None];
     # shapes and dtypes are read once per storage at the end, not once per tensor.
     groups: dict[int, list[Any]] = {}
-    sparse: list[tuple[Any, str]] = []
     device_names: dict[Any, str] = {}
-    byteless = unreadable = 0
+    counts = [0, 0]  # byteless, unreadable
+    dense: list[Any] = []
+    sparse: list[tuple[Any, str]] = []
     bare_storages: list[Any] = []
-    empty: set[int] = set()
-    with reader.no_subclass_code() if reader is not None else nullcontext():
+    claimed: dict[int, int] = {}  # a sparse tensor's index storage -> its record's key
+    if reader is None:
+        tensors.clear()
+        return LiveTensors(kept, storage_of, {}, objects_scanned, 0, 0)
+    with reader.no_subclass_code():
         for tensor in tensors:
             cls_id = id(type(tensor))
             if cls_id in byteless_types:
-                byteless += 1
-                continue
-            if cls_id in bare:
+                counts[0] += 1
+            elif cls_id in bare:
                 bare_storages.append(tensor)
-                continue
-            try:
-                if reader.is_meta(tensor):
-                    byteless += 1
-                    continue
-                if reader.layout(tensor) is not reader.strided:
-                    sparse.append((tensor, _device_name(reader.device(tensor), device_names)))
-                    continue
-                key = reader.key(tensor)
-                group = groups.get(key)
-                if group is None:
-                    # Read once per storage (the storage object is made for it; the key was not).
-                    if key in empty:
-                        byteless += 1
-                        continue
-                    nbytes = int(reader.nbytes(reader.storage(tensor)))
-                    if nbytes == 0:
-                        empty.add(key)
-                        byteless += 1
-                        continue
-                    where = _device_name(reader.device(tensor), device_names)
-                else:
-                    where = group[0]
-            except Exception:
-                # Wrapper subclasses have no storage of their own; their inner tensors are found too.
-                unreadable += 1
-                continue
-            if device is not None and where != device:
-                continue
-            kept.append(tensor)
-            storage_of[id(tensor)] = key
-            if group is None:
-                groups[key] = [where, nbytes, tensor, 1, None]
             else:
-                group[3] += 1
-                # Prefer the largest view's shape so the table shows the weight, not a slice of it.
-                best = group[4] if group[4] is not None else reader.shape(group[2])
-                shape = reader.shape(tensor)
-                if _numel(shape) > _numel(best):
-                    group[2], group[4] = tensor, shape
-                else:
-                    group[4] = best
-        # A storage object counts only for a storage no tensor views (one held on its own); the
-        # ones a tensor's storage() call left behind are not holders.
-        for storage in bare_storages:
-            try:
-                key, nbytes, where = reader.bare_storage(storage, device_names)
-            except Exception:
-                unreadable += 1
-                continue
-            if key in groups or not nbytes or (device is not None and where != device):
-                continue
-            kept.append(storage)
-            storage_of[id(storage)] = key
-            groups[key] = [where, nbytes, None, 0, (nbytes,)]
-        bare_storages.clear()
+                try:
+                    if reader.is_meta(tensor):
+                        counts[0] += 1
+                    elif reader.layout(tensor) is not reader.strided:
+                        sparse.append((tensor, _device_name(reader.device(tensor), device_names)))
+                    else:
+                        dense.append(tensor)
+                except Exception:
+                    counts[1] += 1
+        tensors.clear()
+        # Sparse first: the index and value tensors its parts were read through then join its
+        # record (their storages are its bytes) rather than count again, unnamed, as 'other'.
         for tensor, where in sparse:
             if device is not None and where != device:
                 continue
             try:
                 parts = reader.sparse_parts(tensor)
             except Exception:
-                unreadable += 1
+                counts[1] += 1
                 continue
-            # One record keyed by its values' storage, counting every part no dense tensor counts.
-            nbytes = sum(b for k, b in parts if k not in groups)
+            nbytes = sum(b for k, b in parts if k not in groups and k not in claimed)
             if not parts or nbytes == 0:
-                byteless += 1
+                counts[0] += 1
                 continue
             key = parts[-1][0]
             kept.append(tensor)
             storage_of[id(tensor)] = key
             groups[key] = [where, nbytes, tensor, 1, reader.shape(tensor)]
             for part_key, _ in parts[:-1]:
-                groups.setdefault(part_key, None)  # claimed: not counted again
+                claimed[part_key] = key
+        sparse.clear()
+        _group_dense(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts)
+        dense.clear()
+        # A storage object counts only for a storage no tensor views (one held on its own); the
+        # ones a tensor's storage() call left behind are not holders.
+        for storage in bare_storages:
+            try:
+                key, nbytes, where = reader.bare_storage(storage, device_names)
+            except Exception:
+                counts[1] += 1
+                continue
+            if key in groups or key in claimed or not nbytes or (device is not None and where != device):
+                continue
+            kept.append(storage)
+            storage_of[id(storage)] = key
+            groups[key] = [where, nbytes, None, 0, (nbytes,)]
+        bare_storages.clear()
         dtype_names: dict[Any, str] = {}
         storages = {
             key: StorageRecord(key, where, nbytes,
                                _dtype_name(named, dtype_names, reader) if named is not None else "uint8",
                                shape if shape is not None else reader.shape(named), count)
-            for key, group in groups.items() if group is not None
-            for where, nbytes, named, count, shape in (group,)
+            for key, (where, nbytes, named, count, shape) in groups.items()
         }
     groups.clear()
-    tensors.clear()
-    return LiveTensors(kept, storage_of, storages, scanned, byteless, unreadable)
+    return LiveTensors(kept, storage_of, storages, objects_scanned, counts[0], counts[1])
+
+
+def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: dict[int, list[Any]],
+                 claimed: dict[int, int], kept: list[Any], storage_of: dict[int, int],
+                 device_names: dict[Any, str], counts: list[int]) -> None:
+    empty: set[int] = set()
+    for tensor in dense:
+        try:
+            key = reader.key(tensor)
+            key = claimed.get(key, key)
+            group = groups.get(key)
+            if group is None:
+                # Read once per storage (the storage object is made for it; the key was not).
+                if key in empty:
+                    counts[0] += 1
+                    continue
+                nbytes = int(reader.nbytes(reader.storage(tensor)))
+                if nbytes == 0:
+                    empty.add(key)
+                    counts[0] += 1
+                    continue
+                where = _device_name(reader.device(tensor), device_names)
+            else:
+                where = group[0]
+        except Exception:
+            # Wrapper subclasses have no storage of their own; their inner tensors are found too.
+            counts[1] += 1
+            continue
+        if device is not None and where != device:
+            continue
+        kept.append(tensor)
+        storage_of[id(tensor)] = key
+        if group is None:
+            groups[key] = [where, nbytes, tensor, 1, None]
+        else:
+            group[3] += 1
+            # Prefer the largest view's shape so the table shows the weight, not a slice of it.
+            best = group[4] if group[4] is not None else reader.shape(group[2])
+            shape = reader.shape(tensor)
+            if _numel(shape) > _numel(best):
+                group[2], group[4] = tensor, shape
+            else:
+                group[4] = best
 
 
 class _Reader:

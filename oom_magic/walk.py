@@ -28,9 +28,11 @@ from itertools import chain, compress, count, repeat
 from typing import Any, Callable, Iterable
 
 # What the walk does with an object, decided once per type (by the type's id).
-GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP = range(6)
+GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP, LATER = range(7)
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
 SLICE = 8192
+# Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
+NARROW = 4
 # Paths longer than this many steps are shown with their middle elided.
 MAX_SHOWN_STEPS = 64
 
@@ -54,6 +56,12 @@ class Root:
         self.kind, self.name = kind, name
 
 
+def is_plain_key(key: Any) -> bool:
+    """Whether a key is shown by value (str, int, float, bool, bytes, None): by identity of its type."""
+    cls = type(key)
+    return cls is str or cls is int or cls is float or cls is bool or cls is bytes or key is None
+
+
 def mro_has(cls: type, base: type) -> bool:
     """Whether ``base`` is in ``cls``'s MRO, by identity (no metaclass ``__eq__``/``__hash__`` runs)."""
     try:
@@ -62,7 +70,7 @@ def mro_has(cls: type, base: type) -> bool:
         return False
 
 
-def classify(cls: type, ndarray: type | None) -> int:
+def classify(cls: type, ndarray: type | None, later: tuple[type, ...] = ()) -> int:
     """Which branch of the walk handles instances of ``cls``."""
     if cls is dict:
         return DICT
@@ -81,7 +89,16 @@ def classify(cls: type, ndarray: type | None) -> int:
         return NDARRAY
     if any(k is dict for k in mro):
         return DICT
+    if later and any(k is base for k in mro for base in later):
+        return LATER
     return GENERIC
+
+
+def _later_types() -> tuple[type, ...]:
+    """Holders whose paths a user recognises less than a model's: an optimizer holds the parameters too."""
+    optim = sys.modules.get("torch.optim")
+    optimizer = getattr(optim, "Optimizer", None) if optim is not None else None
+    return (optimizer,) if isinstance(optimizer, type) else ()
 
 
 class Walk:
@@ -117,6 +134,8 @@ class Walk:
         self._keys: list[Any] = []  # dict keys met, walked after values (objects and their dicts)
         self._key_parents: list[Any] = []
         self._frames: list[Any] = []  # locals dicts read from frames: kept alive while ids are in use
+        self._later: list[Any] = []  # reached optimizers, entered once everything else is walked
+        self._later_types = _later_types()
 
     # -- walking -------------------------------------------------------------------------------
     def start(self, kind: str, roots: Iterable[tuple[str, object]]) -> None:
@@ -132,6 +151,12 @@ class Walk:
     def run(self) -> None:
         """Walk from the queued roots until done, every wanted storage is reached, or out of budget."""
         while self.complete and not self.done:
+            if not self._level and self._later:
+                later, self._later = self._later, []
+                kids, parents = self._expand(later, defer=False)
+                self._level = self._mark(kids, parents)
+                del kids, parents, later
+                continue
             if not self._level:
                 if not self._keys:
                     self.exhausted = True
@@ -141,6 +166,9 @@ class Walk:
                 self._level = self._mark(level, parents)
                 continue
             level, self._level = self._level, []
+            if len(level) <= NARROW:
+                self._level = self._narrow(level)
+                continue
             following: list[Any] = []
             for start in range(0, len(level), SLICE):
                 kids, parents = self._expand(level[start:start + SLICE])
@@ -152,6 +180,37 @@ class Walk:
                 if not self.complete or self.done:
                     break
             self._level = following
+
+    def _narrow(self, level: list[Any]) -> list[Any]:
+        """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
+        passes cost microseconds per level whatever its width, a 200,000-deep chain seconds."""
+        parent, cats, is_tracked, nd_id = self.parent, self._cats, gc.is_tracked, self._nd_id
+        steps = 0
+        while level and len(level) <= NARROW:
+            following: list[Any] = []
+            for obj in level:
+                what = cats.get(id(type(obj)))
+                if what is None or what is not GENERIC:
+                    kids, parents = self._expand([obj])
+                    following.extend(self._mark(kids, parents))
+                    continue
+                for kid in gc.get_referents(obj):
+                    kid_id = id(kid)
+                    if kid_id not in parent and (is_tracked(kid) or id(type(kid)) == nd_id):
+                        parent[kid_id] = obj
+                        following.append(kid)
+                        self.nodes += 1
+                        if kid_id in self._wanted_ids:
+                            self._note_wanted((kid_id,))
+                        if self.collect is not None and id(type(kid)) in self.collect:
+                            self.met.append(kid)
+            level = following
+            steps += 1
+            if steps & 255 == 0 and (self._out_of_budget() or self.done):
+                break
+            if self.done:
+                break
+        return level
 
     @property
     def done(self) -> bool:
@@ -166,6 +225,7 @@ class Walk:
         self._keys.clear()
         self._key_parents.clear()
         self._frames.clear()
+        self._later.clear()
         self._types.clear()
 
     def _out_of_budget(self) -> bool:
@@ -173,7 +233,7 @@ class Walk:
             self.complete = False
         return not self.complete
 
-    def _expand(self, level: list[Any]) -> tuple[list[Any], list[Any]]:
+    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], list[Any]]:
         """What one slice of a level refers to, and the parent of each (the same length)."""
         cats = self._cats
         tids = list(map(id, map(type, level)))
@@ -182,7 +242,7 @@ class Walk:
             for obj in level:
                 tid = id(type(obj))
                 if tid in unknown:
-                    cats[tid] = classify(type(obj), self.ndarray)
+                    cats[tid] = classify(type(obj), self.ndarray, self._later_types)
                     self._types.append(type(obj))
                     unknown.discard(tid)
                     if not unknown:
@@ -193,7 +253,9 @@ class Walk:
         parents: list[Any] = []
         for what in present:
             objs = level if len(present) == 1 else list(compress(level, map(what.__eq__, kinds)))
-            if what is GENERIC:
+            if what is LATER and defer:
+                self._later.extend(objs)
+            elif what is GENERIC or what is LATER:
                 lists = list(map(gc.get_referents, objs))
                 self._extend(kids, parents, objs, lists)
             elif what is DICT:
@@ -307,36 +369,57 @@ class Namer:
     def __init__(self, walk: Walk, module_type: type | None) -> None:
         self.walk = walk
         self.module_type = module_type
-        self._steps: dict[int, tuple[Root | None, tuple[Step, ...]]] = {}
+        self._links: dict[int, tuple[Step, ...]] = {}  # id(child) -> the steps from its parent
         self._reverse: dict[int, dict[int, Any]] = {}  # id(container) -> id(child) -> its key/index
+        self._shapes: dict[int, str] = {}
+        self._shape_types: list[type] = []  # keeps the types whose ids key _shapes alive
+        self._member_cache: dict[int, list[tuple[str, Any]]] = {}
+        self._candidates: dict[int, list[str]] = {}
 
     def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
-        """The root and the steps from it to the object with this id (None root: not reached)."""
+        """The root and the steps from it to the object with this id (None root: not reached).
+
+        Each link is read once and kept per object (memory linear in the path's length), never a
+        whole path per level: a 200,000-node linked list costs 200,000 links, not their squares.
+        """
         chain_ids: list[int] = []
         node = obj_id
         parent = self.walk.parent
-        root: Root | None = None
-        prefix: tuple[Step, ...] = ()
         while True:
-            known = self._steps.get(node)
-            if known is not None:
-                root, prefix = known
-                break
             up = parent.get(node)
             if up is None:
                 return None, ()
             if type(up) is Root:
-                root = up
                 break
             chain_ids.append(node)
             node = id(up)
-        # chain_ids: child ... nearest-to-root; build forward.
-        steps = list(prefix)
-        for child_id in reversed(chain_ids):
-            up = parent[child_id]
-            steps.extend(self._link(up, child_id))
-            self._steps[child_id] = (root, tuple(steps))
-        return root, tuple(steps)
+        links = self._links
+        steps: list[Step] = []
+        forward = chain_ids[::-1]
+
+        def link_of(child_id: int) -> tuple[Step, ...]:
+            link = links.get(child_id)
+            if link is None:
+                link = links[child_id] = tuple(self._link(parent[child_id], child_id))
+            return link
+
+        if len(forward) <= MAX_SHOWN_STEPS:
+            for child_id in forward:
+                steps.extend(link_of(child_id))
+            return up, tuple(steps)
+        # Only the ends are shown (8 visible steps each): the middle is never read.
+        head: list[Step] = []
+        at = 0
+        while at < len(forward) and sum(map(_visible, head)) < 8:
+            head.extend(link_of(forward[at]))
+            at += 1
+        tail: list[Step] = []
+        end = len(forward)
+        while end > at and sum(map(_visible, tail)) < 8:
+            end -= 1
+            tail[:0] = link_of(forward[end])
+        steps = head + ([("elide",)] if end > at else []) + tail
+        return up, tuple(steps)
 
     def _link(self, parent: Any, child_id: int) -> list[Step]:
         """How ``parent`` refers to the object with id ``child_id``, read at C level."""
@@ -345,9 +428,59 @@ class Namer:
         except Exception:
             return [("via", _qualname(type(parent)))]
 
+    def _shape_of(self, cls: type) -> str:
+        """Which kind of link reading applies to instances of ``cls`` (decided once per type)."""
+        known = self._shapes.get(id(cls))
+        if known is not None:
+            return known
+        shape = "inst"
+        exact = {types.FunctionType: "func", types.FrameType: "frame", types.TracebackType: "tb",
+                 types.CellType: "cell"}
+        for t, name in exact.items():
+            if cls is t:
+                shape = name
+                break
+        else:
+            ndarray = self.walk.ndarray
+            for base, name in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (_deque(), "deque"),
+                               (set, "set"), (frozenset, "frozenset"), (ndarray, "ndarray"),
+                               (BaseException, "exc")):
+                if base is not None and mro_has(cls, base):
+                    shape = name
+                    break
+            if shape == "inst" and _type_name(cls) == "_lru_cache_wrapper":
+                shape = "lru"
+        self._shapes[id(cls)] = shape
+        self._shape_types.append(cls)
+        return shape
+
+    def _members(self, cls: type) -> list[tuple[str, Any]]:
+        """The slots and C members along ``cls``'s MRO, read from the class dicts (no user code)."""
+        known = self._member_cache.get(id(cls))
+        if known is None:
+            known = [(name, value) for klass in _type_mro(cls) for name, value in _mapping_items(klass)
+                     if type(value) is types.MemberDescriptorType and type(name) is str]
+            self._member_cache[id(cls)] = known
+        return known
+
+    def _inline_name(self, obj: Any, cls: type, child_id: int) -> str | None:
+        """The attribute holding the child, tried by the names the class's methods assign
+        (``self.x = ...``), read without making the instance's ``__dict__``."""
+        if not plain_dict_slot(cls):
+            return None
+        names = self._candidates.get(id(cls))
+        if names is None:
+            names = self._candidates[id(cls)] = _assigned_names(cls)
+        for name in names:
+            value = _read_attribute(obj, name)
+            if value is not _MISSING and id(value) == child_id:
+                return name
+        return None
+
     def _link_unsafe(self, parent: Any, child_id: int) -> list[Step]:
         cls = type(parent)
-        if cls is types.FunctionType:
+        shape = self._shape_of(cls)
+        if shape == "func":
             closure = parent.__closure__
             if closure is not None and id(closure) == child_id:
                 return [("", "__closure__")]
@@ -356,14 +489,14 @@ class Namer:
             if id(parent.__kwdefaults__) == child_id:
                 return [("attr", "__kwdefaults__")]
             return [("",)]  # its __dict__: the next step is an attribute
-        if cls is types.FrameType:
+        if shape == "frame":
             names = self._reverse_map(parent, lambda: dict.items(parent.f_locals))
             return [("local", parent.f_code.co_name, names.get(child_id, "?"))]
-        if cls is types.TracebackType:
+        if shape == "tb":
             return [("tb",)]
-        if cls is types.CellType:
+        if shape == "cell":
             return [("cell",)]
-        if mro_has(cls, dict):
+        if shape == "dict":
             values = self._reverse_map(parent, lambda: dict.items(parent))
             if child_id in values:
                 return [self._key_step(values[child_id])]
@@ -371,37 +504,49 @@ class Namer:
                 if id(key) == child_id:
                     return [("iskey", _qualname(type(key)))]
             return [("via", _qualname(cls))]
-        if mro_has(cls, tuple) and self._is_closure_of_parent(parent):
-            index = self._index_of(parent, child_id, tuple.__iter__)
-            return [("closure", index)]
-        for base, it in ((list, list.__iter__), (tuple, tuple.__iter__), (_deque(), _deque_iter())):
-            if base is not None and mro_has(cls, base):
-                return [("index", self._index_of(parent, child_id, it))]
-        for base, it in ((set, set.__iter__), (frozenset, frozenset.__iter__)):
-            if mro_has(cls, base):
-                return [("member", self._index_of(parent, child_id, it))]
-        ndarray = self.walk.ndarray
-        if ndarray is not None and mro_has(cls, ndarray):
+        if shape == "tuple" and self._is_closure_of_parent(parent):
+            return [("closure", self._index_of(parent, child_id, tuple.__iter__))]
+        if shape == "list" or shape == "tuple" or shape == "deque":
+            it = list.__iter__ if shape == "list" else tuple.__iter__ if shape == "tuple" else _deque_iter()
+            return [("index", self._index_of(parent, child_id, it))]
+        if shape == "set" or shape == "frozenset":
+            it = set.__iter__ if shape == "set" else frozenset.__iter__
+            return [("member", self._index_of(parent, child_id, it))]
+        if shape == "ndarray":
+            ndarray = self.walk.ndarray
             return [("flat", self._index_of(parent, child_id, lambda a: iter(_array_items(a, ndarray))))]
-        if _type_name(cls) == "_lru_cache_wrapper":
+        if shape == "lru":
             d = _instance_dict_if_present(parent)
             if d is not None and id(d) == child_id:
                 return [("",)]
             if type(_find(gc.get_referents(parent), child_id)) is dict:
                 return [("", "cache")]
             return [("cache",)]
-        if mro_has(cls, BaseException):
+        if shape == "exc":
             for name in ("args", "__traceback__", "__cause__", "__context__"):
                 value = BaseException.__dict__[name].__get__(parent)
                 if id(value) == child_id:
                     return [("",)] if name == "__traceback__" else [("attr", name)]
-        # An instance: its __dict__ (already there), an inline attribute, or a slot.
+        # An instance: a slot or C member, its __dict__ (already there), or an inline attribute.
+        for name, member in self._members(cls):
+            try:
+                if id(member.__get__(parent, cls)) == child_id:
+                    return [("attr", name)]
+            except Exception:
+                continue
         d = _instance_dict_if_present(parent)
         if d is not None and id(d) == child_id:
             return [("",)]
-        name = self._attribute_name(parent, child_id)
+        name = self._inline_name(parent, cls, child_id)
         if name is not None:
             return [("attr", name)]
+        # Last resort: the instance's dict (made now on 3.11+ if its attributes were inline; only
+        # for an object on a path being shown, whose attribute no method of its class names).
+        d = instance_attributes(parent)
+        if d:
+            for name, value in dict.items(d):
+                if id(value) == child_id and type(name) is str:
+                    return [("attr", name)]
         return [("via", _qualname(cls))]
 
     def _is_closure_of_parent(self, tup: Any) -> bool:
@@ -409,7 +554,7 @@ class Namer:
         return type(up) is types.FunctionType and up.__closure__ is tup
 
     def _key_step(self, key: Any) -> Step:
-        if type(key) in _PLAIN_KEYS:
+        if is_plain_key(key):
             return ("key", key)
         if id(key) in self.walk.parent and self.walk.parent.get(id(key)) is not None:
             return ("keypath", id(key), _qualname(type(key)))
@@ -435,28 +580,35 @@ class Namer:
             self._reverse[id(container)] = cached
         return cached.get(child_id, -1)
 
-    def _attribute_name(self, obj: Any, child_id: int) -> str | None:
-        """The attribute or slot of ``obj`` holding the child: member descriptors, then the instance dict."""
-        cls = type(obj)
-        for klass in _type_mro(cls):
-            for name, value in _mapping_items(klass):
-                if type(value) is types.MemberDescriptorType:
-                    try:
-                        if id(value.__get__(obj, cls)) == child_id:
-                            return name if type(name) is str else None
-                    except Exception:
-                        continue
-        d = instance_attributes(obj)
-        if d:
-            names = self._reverse_map(obj, lambda: dict.items(d))
-            name = names.get(child_id)
-            if type(name) is str:
-                return name
-        return None
-
     def clear(self) -> None:
-        self._steps.clear()
+        self._links.clear()
         self._reverse.clear()
+        self._shapes.clear()
+        self._shape_types.clear()
+        self._member_cache.clear()
+        self._candidates.clear()
+
+
+def _visible(step: Step) -> bool:
+    return not (step[0] in ("", "tb", "cell") and len(step) == 1)
+
+
+def _assigned_names(cls: type) -> list[str]:
+    """Names the functions in ``cls``'s MRO dicts use as attributes (``co_names``), in order, once each."""
+    seen: dict[str, None] = {}
+    try:
+        for klass in _type_mro(cls):
+            if klass is object:
+                continue
+            for _, value in _mapping_items(klass):
+                if type(value) is types.FunctionType:
+                    code = value.__code__
+                    for name in code.co_names:
+                        if type(name) is str:
+                            seen.setdefault(name)
+    except Exception:
+        pass
+    return list(seen)
 
 
 def _mapping_items(klass: type) -> list[tuple[Any, Any]]:
@@ -600,6 +752,8 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
                 text = f".flat[{step[1]}]"
             elif tag == "via":
                 text = f"→{step[1]}"
+            elif tag == "elide":
+                text = " … "
         as_attr = False
         parts.append(text)
     shown = [p for p in parts[1:] if p]
@@ -644,7 +798,7 @@ def resolve(obj: Any, steps: tuple[Step, ...]) -> Any:
                 obj = _read_attribute(obj, step[1])
             elif type(obj) is dict:
                 obj = dict.get(obj, step[1], _MISSING)
-            elif mro_has(type(obj), dict) and type(step[1]) in _PLAIN_KEYS:
+            elif mro_has(type(obj), dict) and is_plain_key(step[1]):
                 obj = dict.get(obj, step[1], _MISSING)
             else:
                 return _MISSING
