@@ -209,11 +209,14 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
                 if key in empty:
                     counts[0] += 1
                     continue
-                nbytes = int(reader.nbytes(reader.storage(tensor)))
+                storage = reader.storage(tensor)
+                nbytes = int(reader.nbytes(storage))
                 if nbytes == 0:
                     empty.add(key)
                     counts[0] += 1
                     continue
+                reader.data_ptr(storage)  # a wrapper subclass's storage has none: it raises
+                del storage
                 where = _device_name(reader.device(tensor), device_names)
             else:
                 where = group[0]
@@ -254,6 +257,7 @@ class _Reader:
         self._shape = base.shape.__get__
         self.dtype = base.dtype.__get__
         self.nbytes = storage.nbytes
+        self.data_ptr = storage.data_ptr
         self.cdata = storage._cdata.__get__
         self._storage_device = storage.device.__get__
         self._base = base
