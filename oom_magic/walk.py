@@ -24,11 +24,11 @@ import gc
 import sys
 import time
 import types
-from itertools import chain, compress, count, repeat
+from itertools import chain, compress, count, islice, repeat
 from typing import Any, Callable, Iterable
 
 # What the walk does with an object, decided once per type (by the type's id).
-GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP, LATER = range(7)
+GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP, LATER, SEQ = range(8)
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
@@ -74,6 +74,8 @@ def classify(cls: type, ndarray: type | None, later: tuple[type, ...] = ()) -> i
     """Which branch of the walk handles instances of ``cls``."""
     if cls is dict:
         return DICT
+    if cls is list or cls is tuple or cls is set or cls is frozenset or cls is _deque():
+        return SEQ  # exact builtin containers: len() and iteration are their own C code
     if cls is types.FunctionType:
         return FUNCTION
     if cls is types.FrameType:
@@ -135,6 +137,7 @@ class Walk:
         self._key_parents: list[Any] = []
         self._frames: list[Any] = []  # locals dicts read from frames: kept alive while ids are in use
         self._later: list[Any] = []  # reached optimizers, entered once everything else is walked
+        self._big: list[Any] = []  # containers too big to read in one pass, read in slices
         self._later_types = _later_types()
 
     # -- walking -------------------------------------------------------------------------------
@@ -172,14 +175,19 @@ class Walk:
             following: list[Any] = []
             for start in range(0, len(level), SLICE):
                 kids, parents = self._expand(level[start:start + SLICE])
-                for at in range(0, len(kids), SLICE):  # one huge container is marked a slice at a time
-                    following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE]))
-                    if self._out_of_budget() or self.done:
-                        break
+                stop = self._mark_slices(kids, parents, following)
                 del kids, parents
-                if not self.complete or self.done:
+                if stop:
                     break
             self._level = following
+
+    def _mark_slices(self, kids: list[Any], parents: list[Any], following: list[Any]) -> bool:
+        """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
+        for at in range(0, len(kids), SLICE):
+            following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE]))
+            if self._out_of_budget() or self.done:
+                return True
+        return self._expand_big(following) if self._big else False
 
     def _narrow(self, level: list[Any]) -> list[Any]:
         """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
@@ -190,11 +198,17 @@ class Walk:
             following: list[Any] = []
             for obj in level:
                 what = cats.get(id(type(obj)))
-                if what is None or what is not GENERIC:
+                if what is not GENERIC:
                     kids, parents = self._expand([obj])
-                    following.extend(self._mark(kids, parents))
+                    if self._mark_slices(kids, parents, following):
+                        return following
                     continue
-                for kid in gc.get_referents(obj):
+                kids = gc.get_referents(obj)
+                if len(kids) > 64:  # one big container: bulk passes, a slice at a time, on the clock
+                    if self._mark_slices(kids, [obj] * len(kids), following):
+                        return following
+                    continue
+                for kid in kids:
                     kid_id = id(kid)
                     if kid_id not in parent and (is_tracked(kid) or id(type(kid)) == nd_id):
                         parent[kid_id] = obj
@@ -226,6 +240,7 @@ class Walk:
         self._key_parents.clear()
         self._frames.clear()
         self._later.clear()
+        self._big.clear()
         self._types.clear()
 
     def _out_of_budget(self) -> bool:
@@ -258,14 +273,20 @@ class Walk:
             elif what is GENERIC or what is LATER:
                 lists = list(map(gc.get_referents, objs))
                 self._extend(kids, parents, objs, lists)
+            elif what is SEQ:
+                if max(map(len, objs)) > SLICE:  # a huge container is read a slice at a time, on the clock
+                    self._big.extend(o for o in objs if len(o) > SLICE)
+                    objs = [o for o in objs if len(o) <= SLICE]
+                lists = list(map(gc.get_referents, objs))
+                self._extend(kids, parents, objs, lists)
             elif what is DICT:
+                if max(map(dict.__len__, objs)) > SLICE:
+                    self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
+                    objs = [d for d in objs if dict.__len__(d) <= SLICE]
                 lists = list(map(list, map(dict.values, objs)))
                 self._extend(kids, parents, objs, lists)
-                keys = [list(filter(gc.is_tracked, dict.keys(d))) for d in objs if dict.__len__(d)]
-                if any(keys):
-                    owners = [d for d in objs if dict.__len__(d)]
-                    self._keys.extend(chain.from_iterable(keys))
-                    self._key_parents.extend(chain.from_iterable(map(repeat, owners, map(len, keys))))
+                if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, objs)))):
+                    self._defer_keys(objs)
             elif what is FUNCTION:
                 lists = [[c for c in (f.__closure__, f.__defaults__, f.__kwdefaults__,
                                       _function_dict(f)) if c is not None] for f in objs]
@@ -277,6 +298,31 @@ class Walk:
                 lists = [_array_items(a, self.ndarray) for a in objs]
                 self._extend(kids, parents, objs, lists)
         return kids, parents
+
+    def _defer_keys(self, dicts: list[Any]) -> None:
+        """Queue the tracked keys of these dicts: walked after every value (an optimizer's state keys)."""
+        dicts = [d for d in dicts if dict.__len__(d)]
+        keys = [list(filter(gc.is_tracked, dict.keys(d))) for d in dicts]
+        self._keys.extend(chain.from_iterable(keys))
+        self._key_parents.extend(chain.from_iterable(map(repeat, dicts, map(len, keys))))
+
+    def _expand_big(self, following: list[Any]) -> bool:
+        """Read the huge containers a level met, a slice at a time with the clock checked; True: stop."""
+        while self._big:
+            obj = self._big.pop()
+            if type(obj) is dict or mro_has(type(obj), dict):
+                it = iter(dict.values(obj))
+                self._defer_keys([obj])
+            else:
+                it = iter(obj)  # an exact builtin container: its own C iterator
+            while True:
+                part = list(islice(it, SLICE))
+                if not part:
+                    break
+                following.extend(self._mark(part, [obj] * len(part)))
+                if self._out_of_budget() or self.done:
+                    return True
+        return False
 
     @staticmethod
     def _extend(kids: list[Any], parents: list[Any], objs: list[Any], lists: list[list[Any]]) -> None:
