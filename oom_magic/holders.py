@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .roots import Roots
-from .tracker import LiveTensors, gc_paused, group_storages
+from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
 from .walk import MISSING, Namer, _qualname, Root, Walk, instance_attributes, plain_dict_slot, render, resolve
 
 USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
@@ -76,6 +76,7 @@ def forget_paths() -> None:
     _REMEMBERED.clear()
 
 
+@pins_nothing
 def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
               budget_nodes: int = 10_000_000, budget_seconds: float = 5.0,
               find_garbage: bool = True, trace_other: bool = True) -> Attribution:
@@ -238,6 +239,7 @@ def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]
     reached.clear()
 
 
+@pins_nothing
 def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None, *,
                         budget_nodes: int = 10_000_000, budget_seconds: float = 5.0) -> tuple[LiveTensors, Attribution]:
     """The tensors reachable from the roots, and their holders, found by the walk alone (no heap pass).

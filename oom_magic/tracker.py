@@ -16,7 +16,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import compress
 from types import ModuleType
-from typing import Any, Iterator
+from functools import wraps
+from typing import Any, Callable, Iterator, TypeVar
 
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
@@ -93,6 +94,27 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def pins_nothing(function: F) -> F:
+    """Ctrl-C (or running out of memory) inside a scan leaves no object pinned by the traceback.
+
+    IPython keeps the last traceback, and with it every frame's locals: the scan's lists of
+    tensors and objects walked. The exception is re-raised without the frames below this one,
+    and this frame's arguments are dropped first, so a tensor the user then deletes is freed.
+    """
+    @wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except (KeyboardInterrupt, MemoryError) as error:
+            del args, kwargs
+            raise error.with_traceback(None) from None
+    return wrapper  # type: ignore[return-value]
+
+
+@pins_nothing
 def find_tensors(torch: ModuleType, device: str | None = None) -> LiveTensors:
     """Scan the gc heap for tensors (on ``device`` when given), grouped into storages."""
     types = tensor_types(torch)

@@ -160,6 +160,12 @@ class Walk:
                 self._level = self._mark(kids, parents)
                 del kids, parents, later
                 continue
+            if not self._level and self._big:
+                # Huge containers last: ten million records must not starve the model beside them.
+                following: list[Any] = []
+                self._expand_big(following)
+                self._level = following
+                continue
             if not self._level:
                 if not self._keys:
                     self.exhausted = True
@@ -187,7 +193,7 @@ class Walk:
             following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE]))
             if self._out_of_budget() or self.done:
                 return True
-        return self._expand_big(following) if self._big else False
+        return False
 
     def _narrow(self, level: list[Any]) -> list[Any]:
         """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
@@ -560,7 +566,8 @@ class Namer:
             return [("member", self._index_of(parent, child_id, it))]
         if shape == "ndarray":
             ndarray = self.walk.ndarray
-            return [("flat", self._index_of(parent, child_id, lambda a: iter(_array_items(a, ndarray))))]
+            index = self._index_of(parent, child_id, lambda a: iter(_array_items(a, ndarray)))
+            return [("flat", index, ndarray.ndim.__get__(parent))]
         if shape == "lru":
             d = _instance_dict_if_present(parent)
             if d is not None and id(d) == child_id:
@@ -795,7 +802,7 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
             elif tag == "cache":
                 text = ".cache[…]"
             elif tag == "flat":
-                text = f".flat[{step[1]}]"
+                text = f"[{step[1]}]" if len(step) > 2 and step[2] == 1 else f".flat[{step[1]}]"
             elif tag == "via":
                 text = f"→{step[1]}"
             elif tag == "elide":
