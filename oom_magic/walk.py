@@ -21,6 +21,7 @@ check a remembered path still reaches the same object.
 from __future__ import annotations
 
 import gc
+import operator
 import sys
 import time
 import types
@@ -338,22 +339,22 @@ class Walk:
     def _mark(self, kids: list[Any], parents: list[Any]) -> list[Any]:
         """Keep the tracked children (and untracked object arrays) not reached before; record parents."""
         mask = list(map(gc.is_tracked, kids))
-        nd_id = self._nd_id
-        if nd_id != -1 and not all(mask):
-            # numpy arrays are not gc-tracked: find them among the children by type id.
-            for i in compress(count(), map(nd_id.__eq__, map(id, map(type, kids)))):
-                mask[i] = True
-        kids = list(compress(kids, mask))
-        parents = list(compress(parents, mask))
+        if not all(mask):
+            nd_id = self._nd_id
+            if nd_id != -1 and nd_id in set(map(id, map(type, compress(kids, map(operator.not_, mask))))):
+                # numpy arrays are not gc-tracked: keep the ones among the children (by type id).
+                for i in compress(count(), map(nd_id.__eq__, map(id, map(type, kids)))):
+                    mask[i] = True
+            kids = list(compress(kids, mask))
+            parents = list(compress(parents, mask))
         ids = list(map(id, kids))
-        parent_of = dict(zip(ids, parents))
-        new = set(parent_of).difference(self.parent)  # iterates the slice, not everything visited
+        new = set(ids).difference(self.parent)  # iterates the slice, not everything visited
         if not new:
             return []
-        self.parent.update(zip(new, map(parent_of.__getitem__, new)))
+        keep = list(map(new.__contains__, ids))
+        self.parent.update(zip(compress(ids, keep), compress(parents, keep)))
         self.nodes += len(new)
-        objects = dict(zip(ids, kids))
-        level = list(map(objects.__getitem__, new))
+        level = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
         if self.wanted:
             self._note_wanted(new)
         if self.collect is not None:
