@@ -128,8 +128,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
 
 
 def _reached(walk: Walk, objects: list[Any]) -> set[int]:
-    parent = walk.parent
-    return {id(o) for o in objects if parent.get(id(o)) is not None and type(parent[id(o)]) is not Root}
+    return {id(o) for o in objects if walk.reached(id(o))}
 
 
 def _user_reach(roots: Roots, live: LiveTensors, objects: list[Any], deadline: float,
@@ -185,8 +184,11 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
                 return None
             return render(root, steps, lambda _: None)
 
-        for key, tid in walk.found.items():
-            root, steps = namer.steps(tid)
+        namer.prepare(walk.found.values())
+        paths = {key: namer.steps(tid) for key, tid in walk.found.items()}
+        # Keys shown by their own path (opt.state[model.fc.weight]): their parents in one more pass.
+        namer.prepare({step[1] for _, steps in paths.values() for step in steps if step[0] == "keypath"})
+        for key, (root, steps) in paths.items():
             if root is None:
                 continue
             text = render(root, steps, key_text)
@@ -219,7 +221,7 @@ def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]
     if base is None or disable is None:
         return
     by_id = {id(t): t for t in live.tensors}
-    reached = [by_id[i] for i in set(by_id).intersection(walk.parent) if walk.parent.get(i) is not None]
+    reached = [by_id[i] for i in set(by_id).intersection(walk.visited) if walk.reached(i) or i in walk.roots]
     by_id.clear()
     with disable():
         for tensor in reached:
@@ -263,7 +265,7 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
             walk.start(kind, named)
             for _, obj in named:  # a root that is itself a tensor
-                if id(type(obj)) in collect and walk.parent.get(id(obj)) is not None:
+                if id(type(obj)) in collect and id(obj) in walk.roots:
                     walk.met.append(obj)
             walk.run()
             if not walk.complete:

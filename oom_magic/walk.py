@@ -4,7 +4,7 @@ The walk is breadth-first over ``gc.get_referents`` (each type's C-level ``tp_tr
 no Python code of the user's ever runs and every holder is reached (deques, lru caches,
 ``functools.partial``, closures, slots, C extension containers) without per-type code. It
 works a level at a time in bulk C-level passes (``map``, ``compress``, set difference on ids),
-keeps one entry per object visited (its id -> its parent) and never hashes or compares a
+keeps the id of each object visited and, in the order reached, its parent; it never hashes or compares a
 user's object or type: membership is by ``id``.
 
 Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
@@ -105,7 +105,8 @@ def _later_types() -> tuple[type, ...]:
 
 
 class Walk:
-    """One breadth-first walk; ``parent`` maps the id of every object reached to its parent (or Root).
+    """One breadth-first walk: ``visited`` holds the id of every object reached, and the walk keeps,
+    in the order reached, segments of (ids, parents) from which ``parents_of`` reads paths back.
 
     ``skip``: objects never entered (the namespace dicts, the shell, our own lists). ``wanted``:
     ids of the tensors whose storages need a holder (id -> storage key); the walk stops once each
@@ -119,7 +120,12 @@ class Walk:
         numpy = sys.modules.get("numpy")
         self.ndarray: type | None = getattr(numpy, "ndarray", None)
         self._nd_id = id(self.ndarray) if self.ndarray is not None else -1
-        self.parent: dict[int, Any] = dict.fromkeys(map(id, skip))  # None: never entered
+        self._skip = frozenset(map(id, skip))
+        self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
+        self.roots: dict[int, Root] = {}
+        # (ids, their parents, whether a parent may sit in the same segment): a parent is always
+        # reached before its children, so one backwards pass finds every ancestor of a set of ids.
+        self._segments: list[tuple[list[int], list[Any], bool]] = []
         self.wanted = wanted if wanted is not None else {}
         self._wanted_ids = set(self.wanted)
         self.storages_left = len(set(self.wanted.values()))
@@ -144,10 +150,11 @@ class Walk:
     # -- walking -------------------------------------------------------------------------------
     def start(self, kind: str, roots: Iterable[tuple[str, object]]) -> None:
         """Queue roots of one holder kind (walked by ``run``); a root already reached is skipped."""
-        parent = self.parent
+        visited = self.visited
         for name, obj in roots:
-            if id(obj) not in parent:
-                parent[id(obj)] = Root(kind, name)
+            if id(obj) not in visited:
+                visited.add(id(obj))
+                self.roots[id(obj)] = Root(kind, name)
                 self._level.append(obj)
                 self._note_wanted((id(obj),))
         self.exhausted = False
@@ -199,26 +206,39 @@ class Walk:
     def _narrow(self, level: list[Any]) -> list[Any]:
         """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
         passes cost microseconds per level whatever its width, a 200,000-deep chain seconds."""
-        parent, cats, is_tracked, nd_id = self.parent, self._cats, gc.is_tracked, self._nd_id
+        visited, cats, is_tracked, nd_id = self.visited, self._cats, gc.is_tracked, self._nd_id
+        seg_ids: list[int] = []
+        seg_parents: list[Any] = []
+
+        def flush() -> None:
+            nonlocal seg_ids, seg_parents
+            if seg_ids:
+                self._segments.append((seg_ids, seg_parents, True))
+                seg_ids, seg_parents = [], []
+
         steps = 0
         while level and len(level) <= NARROW:
             following: list[Any] = []
             for obj in level:
                 what = cats.get(id(type(obj)))
                 if what is not GENERIC:
+                    flush()  # the bulk passes append segments of their own: keep parents first
                     kids, parents = self._expand([obj])
                     if self._mark_slices(kids, parents, following):
                         return following
                     continue
                 kids = gc.get_referents(obj)
                 if len(kids) > 64:  # one big container: bulk passes, a slice at a time, on the clock
+                    flush()
                     if self._mark_slices(kids, [obj] * len(kids), following):
                         return following
                     continue
                 for kid in kids:
                     kid_id = id(kid)
-                    if kid_id not in parent and (is_tracked(kid) or id(type(kid)) == nd_id):
-                        parent[kid_id] = obj
+                    if kid_id not in visited and (is_tracked(kid) or id(type(kid)) == nd_id):
+                        visited.add(kid_id)
+                        seg_ids.append(kid_id)
+                        seg_parents.append(obj)
                         following.append(kid)
                         self.nodes += 1
                         if kid_id in self._wanted_ids:
@@ -231,7 +251,45 @@ class Walk:
                 break
             if self.done:
                 break
+        flush()
         return level
+
+    def reached(self, obj_id: int) -> bool:
+        """Whether the walk reached this object from a root (a root itself does not count)."""
+        return obj_id in self.visited and obj_id not in self._skip and obj_id not in self.roots
+
+    def parents_of(self, ids: Iterable[int]) -> dict[int, Any]:
+        """id -> parent (a Root for a root) for these objects and all their ancestors: one backwards pass."""
+        roots = self.roots
+        result: dict[int, Any] = {}
+        wanted: set[int] = set()
+        for i in ids:
+            if i in roots:
+                result[i] = roots[i]
+            elif i in self.visited and i not in self._skip:
+                wanted.add(i)
+
+        def found(i: int, parent: Any) -> None:
+            result[i] = parent
+            wanted.discard(i)
+            up = id(parent)
+            if up in roots:
+                result[up] = roots[up]
+            elif up not in result:
+                wanted.add(up)
+
+        for seg_ids, seg_parents, chained in reversed(self._segments):
+            if not wanted:
+                break
+            if chained:
+                for at in range(len(seg_ids) - 1, -1, -1):
+                    if seg_ids[at] in wanted:
+                        found(seg_ids[at], seg_parents[at])
+            else:
+                for at in list(compress(range(len(seg_ids)), map(wanted.__contains__, seg_ids))):
+                    if seg_ids[at] in wanted:
+                        found(seg_ids[at], seg_parents[at])
+        return result
 
     @property
     def done(self) -> bool:
@@ -239,7 +297,9 @@ class Walk:
 
     def release(self) -> None:
         """Drop every reference the walk holds (parents, queues): nothing is pinned after a scan."""
-        self.parent.clear()
+        self.visited.clear()
+        self.roots.clear()
+        self._segments.clear()
         self.found.clear()
         self.met.clear()
         self._level.clear()
@@ -348,11 +408,12 @@ class Walk:
             kids = list(compress(kids, mask))
             parents = list(compress(parents, mask))
         ids = list(map(id, kids))
-        new = set(ids).difference(self.parent)  # iterates the slice, not everything visited
+        new = set(ids).difference(self.visited)  # iterates the slice, not everything visited
         if not new:
             return []
+        self.visited.update(new)
         keep = list(map(new.__contains__, ids))
-        self.parent.update(zip(compress(ids, keep), compress(parents, keep)))
+        self._segments.append((list(compress(ids, keep)), list(compress(parents, keep)), False))
         self.nodes += len(new)
         level = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
         if self.wanted:
@@ -423,6 +484,7 @@ class Namer:
         self.walk = walk
         self.module_type = module_type
         self._links: dict[int, tuple[Step, ...]] = {}  # id(child) -> the steps from its parent
+        self.parent_of: dict[int, Any] = {}  # id -> parent (or Root), for the objects asked about
         self._reverse: dict[int, dict[int, Any]] = {}  # id(container) -> id(child) -> its key/index
         self._shapes: dict[int, str] = {}
         self._shape_types: list[type] = []  # keeps the types whose ids key _shapes alive
@@ -437,7 +499,9 @@ class Namer:
         """
         chain_ids: list[int] = []
         node = obj_id
-        parent = self.walk.parent
+        parent = self.parent_of
+        if node not in parent:
+            self.prepare((node,))
         while True:
             up = parent.get(node)
             if up is None:
@@ -603,14 +667,20 @@ class Namer:
                     return [("attr", name)]
         return [("via", _qualname(cls))]
 
+    def prepare(self, ids: Iterable[int]) -> None:
+        """Read the parents of these objects and their ancestors back from the walk, in one pass."""
+        wanted = [i for i in ids if i not in self.parent_of]
+        if wanted:
+            self.parent_of.update(self.walk.parents_of(wanted))
+
     def _is_closure_of_parent(self, tup: Any) -> bool:
-        up = self.walk.parent.get(id(tup))
+        up = self.parent_of.get(id(tup))
         return type(up) is types.FunctionType and up.__closure__ is tup
 
     def _key_step(self, key: Any) -> Step:
         if is_plain_key(key):
             return ("key", key)
-        if id(key) in self.walk.parent and self.walk.parent.get(id(key)) is not None:
+        if self.walk.reached(id(key)) or id(key) in self.walk.roots:
             return ("keypath", id(key), _qualname(type(key)))
         return ("keytype", _qualname(type(key)))
 
@@ -636,6 +706,7 @@ class Namer:
 
     def clear(self) -> None:
         self._links.clear()
+        self.parent_of.clear()
         self._reverse.clear()
         self._shapes.clear()
         self._shape_types.clear()
