@@ -256,7 +256,24 @@ class TreeNode:
 
 
 def build_shape(shape: str, tensors: int, namespace: dict, objects: int = SHAPE_OBJECTS) -> tuple[str, Any]:
-    """Fill ``namespace`` with heap shape ``shape`` holding ``tensors`` tensors; (spot path, spot tensor)."""
+    """Fill ``namespace`` with heap shape ``shape`` holding ``tensors`` tensors; (spot path, spot tensor).
+
+    The shape's data takes ~70% of the objects (tuples of atoms that the collector untracks are not
+    counted); records, instances and a library's registry (as in ``build_heap``) top it up.
+    """
+    spot = _shape_data(shape, tensors, namespace, int(objects * 0.7))
+    gc.collect()
+    if _count() < objects - 10_000:
+        user: list[list[Any]] = [[], []]
+        namespace["records"], namespace["examples"] = user
+        library_module = types.ModuleType(LIBRARY_MODULE)
+        library_module.registry = []
+        sys.modules[LIBRARY_MODULE] = library_module
+        _fill(objects, user, library_module.registry)
+    return spot
+
+
+def _shape_data(shape: str, tensors: int, namespace: dict, objects: int) -> tuple[str, Any]:
     import collections
     import dataclasses
     import torch
@@ -269,8 +286,8 @@ def build_shape(shape: str, tensors: int, namespace: dict, objects: int = SHAPE_
         return torch.ones(4) if i % every == 0 and i // every < tensors else [i, i + 1]
 
     if shape == "slots":
-        every = max(budget // 3 // tensors, 1)  # a token and its list: ~3 objects
-        namespace["tokens"] = data = [Token(i, vec(i)) for i in range(budget // 3)]
+        every = max(budget // 2 // tensors, 1)  # a token and its list
+        namespace["tokens"] = data = [Token(i, vec(i)) for i in range(budget // 2)]
         k = every * (tensors // 2)
         return f"tokens[{k}].vector", data[k].vector
     if shape == "attrs":
@@ -348,7 +365,7 @@ def build_shape(shape: str, tensors: int, namespace: dict, objects: int = SHAPE_
         n = budget // 2
         namespace["df"] = df = pd.DataFrame({"id": range(n), "emb": [vec(i) for i in range(n)]})
         k = every * (tensors // 2)
-        return "df", df["emb"].iloc[k]
+        return f"df['emb'].iloc[{k}]", df["emb"].iloc[k]
     if shape in ("model_adamw", "kv_cache", "module_list"):
         import transformers  # noqa: F401  (part of such a notebook's heap)
 
@@ -371,12 +388,5 @@ def build_shape(shape: str, tensors: int, namespace: dict, objects: int = SHAPE_
         else:
             namespace["blocks"] = blocks = [torch.nn.Linear(4, 4) for _ in range(tensors // 2)]
             spot = (f"blocks[{len(blocks) // 2}].weight", blocks[len(blocks) // 2].weight)
-        gc.collect()
-        user: list[list[Any]] = [[], []]
-        namespace["records"], namespace["examples"] = user
-        library_module = types.ModuleType(LIBRARY_MODULE)
-        library_module.registry = []
-        sys.modules[LIBRARY_MODULE] = library_module
-        _fill(objects, user, library_module.registry)
         return spot
     raise ValueError(f"unknown heap shape {shape!r}")

@@ -56,7 +56,7 @@ class Attribution:
 _REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
 _REMEMBER_LIMIT = 1_000_000
 # Steps that resolve() can re-read; a path with any other step is walked again each time.
-_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell"})
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat"})
 
 
 def instance_dict(obj: object) -> dict:
@@ -156,20 +156,25 @@ def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
         variables.setdefault(name, obj)
     holders: dict[int, Holder] = {}
     storage_of = live.storage_of
-    for key in live.storages:
-        known = _REMEMBERED.get(key)
-        if known is None:
-            continue
-        name, steps, text, hint = known
-        if name not in variables:
-            continue
-        try:
-            obj = resolve(variables[name], steps)
-        except Exception:
-            continue
-        if obj is not MISSING and storage_of.get(id(obj)) == key:
-            holders[key] = Holder(USER, text, name, hint)
-        del obj
+    listed: dict[int, Any] = {}  # sets and arrays listed once for every path through them
+    try:
+        for key in live.storages:
+            known = _REMEMBERED.get(key)
+            if known is None:
+                continue
+            name, steps, text, hint = known
+            if name not in variables:
+                continue
+            try:
+                obj = resolve(variables[name], steps, listed)
+            except Exception:
+                continue
+            if obj is not MISSING and storage_of.get(id(obj)) == key:
+                holders[key] = Holder(USER, text, name, hint)
+            del obj
+    finally:
+        listed.clear()
+        variables.clear()
     return holders
 
 

@@ -521,8 +521,15 @@ class Namer:
             return link
 
         if len(forward) <= MAX_SHOWN_STEPS:
-            for child_id in forward:
-                steps.extend(link_of(child_id))
+            at = 0
+            while at < len(forward):
+                column = self._pandas_column(forward, at)
+                if column is not None:  # df -> _mgr -> blocks -> block -> values -> item: df['emb'].iloc[i]
+                    steps.append(column)
+                    at += 5
+                    continue
+                steps.extend(link_of(forward[at]))
+                at += 1
             return up, tuple(steps)
         # Only the ends are shown (8 visible steps each): the middle is never read.
         head: list[Step] = []
@@ -666,6 +673,34 @@ class Namer:
                 if id(value) == child_id and type(name) is str:
                     return [("attr", name)]
         return [("via", _qualname(cls))]
+
+    def _pandas_column(self, forward: list[int], at: int) -> Step | None:
+        """``('pandas', column, row)`` where the path goes from a DataFrame through a block's values.
+
+        Read through pandas' own attributes (library code, exact DataFrame type only); any doubt
+        and the path is shown link by link instead.
+        """
+        if at + 4 >= len(forward):
+            return None
+        frame = self.parent_of.get(forward[at])
+        cls = type(frame)
+        if _type_name(cls) != "DataFrame" or getattr(sys.modules.get("pandas"), "DataFrame", None) is not cls:
+            return None
+        try:
+            parent_of = self.parent_of
+            block, array = parent_of[forward[at + 3]], parent_of[forward[at + 4]]
+            ndarray = self.walk.ndarray
+            if ndarray is None or type(array) is not ndarray or array.ndim != 2 or array is not block.values:
+                return None
+            index = self._index_of(array, forward[at + 4], lambda a: iter(_array_items(a, ndarray)))
+            rows = array.shape[1]
+            position = int(block.mgr_locs.as_array[index // rows])
+            label = frame.columns[position]
+            if not is_plain_key(label):
+                return None
+            return ("pandas", label, index % rows)
+        except Exception:
+            return None
 
     def prepare(self, ids: Iterable[int]) -> None:
         """Read the parents of these objects and their ancestors back from the walk, in one pass."""
@@ -877,6 +912,8 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
                 text = f"[{step[1]}]" if len(step) > 2 and step[2] == 1 else f".flat[{step[1]}]"
             elif tag == "via":
                 text = f"→{step[1]}"
+            elif tag == "pandas":
+                text = f"[{_key_repr(step[1])}].iloc[{step[2]}]"
             elif tag == "elide":
                 text = " … "
         as_attr = False
@@ -895,11 +932,14 @@ def _key_repr(key: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def resolve(obj: Any, steps: tuple[Step, ...]) -> Any:
+def resolve(obj: Any, steps: tuple[Step, ...], items: dict[int, tuple[Any, list[Any]]] | None = None) -> Any:
     """Follow remembered steps from ``obj`` with C-level reads; _MISSING where a step no longer holds.
 
     Only steps that can be re-read without running code are followed (plain dict keys, indexes,
-    instance attributes and slots, closure cells); any other step fails, so the caller walks.
+    instance attributes and slots, closure cells, set members and object-array items by position);
+    any other step fails, so the caller walks. ``items``: id(container) -> (container, its items),
+    shared by the paths checked in one scan (a set is listed once, not once per path); the caller
+    clears it.
     """
     pending_attr = False
     for step in steps:
@@ -942,6 +982,11 @@ def resolve(obj: Any, steps: tuple[Step, ...]) -> Any:
                     return _MISSING
             except IndexError:
                 return _MISSING
+        elif tag == "member" or tag == "flat" or (tag == "index" and type(obj) is _deque()):
+            listed = _listed(obj, tag, items)
+            if listed is None or not 0 <= step[1] < len(listed):
+                return _MISSING
+            obj = listed[step[1]]
         elif tag == "closure":
             if not mro_has(type(obj), tuple):
                 return _MISSING
@@ -961,6 +1006,33 @@ def resolve(obj: Any, steps: tuple[Step, ...]) -> Any:
         if obj is _MISSING:
             return _MISSING
     return _MISSING if pending_attr else obj
+
+
+def _listed(obj: Any, tag: str, items: dict[int, tuple[Any, list[Any]]] | None) -> list[Any] | None:
+    """A set's members, a deque's items or an object array's items, in iteration order (C-level)."""
+    known = items.get(id(obj)) if items is not None else None
+    if known is not None and known[0] is obj:
+        return known[1]
+    cls = type(obj)
+    if tag == "member":
+        if cls is set or cls is frozenset:
+            listed = list(obj)
+        elif mro_has(cls, set):
+            listed = list(set.__iter__(obj))
+        elif mro_has(cls, frozenset):
+            listed = list(frozenset.__iter__(obj))
+        else:
+            return None
+    elif tag == "flat":
+        ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+        if ndarray is None or not mro_has(cls, ndarray):
+            return None
+        listed = _array_items(obj, ndarray)
+    else:
+        listed = list(_deque().__iter__(obj))
+    if items is not None:
+        items[id(obj)] = (obj, listed)
+    return listed
 
 
 def _read_attribute(obj: Any, name: Any) -> Any:

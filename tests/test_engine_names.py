@@ -109,9 +109,7 @@ def test_deque_and_numpy_object_array():
 def test_pandas_object_column():
     pd = pytest.importorskip("pandas")
     df = pd.DataFrame({"id": [0, 1, 2], "emb": [torch.ones(2), torch.ones(3), torch.ones(4)]})
-    paths = _paths(df=df)
-    path = paths[_key(df["emb"].iloc[1])]
-    assert path.startswith("df")  # reached through the frame's blocks, whatever pandas calls them
+    _named_twice("df['emb'].iloc[1]", df["emb"].iloc[1], df=df)
 
 
 def test_lru_cache_named_by_the_function_with_its_hint():
