@@ -489,6 +489,8 @@ class Namer:
         self._shapes: dict[int, str] = {}
         self._shape_types: list[type] = []  # keeps the types whose ids key _shapes alive
         self._member_cache: dict[int, list[tuple[str, Any]]] = {}
+        self._by_parent: dict[int, set[int]] = {}
+        self._by_parent_size = -1
         self._candidates: dict[int, list[str]] = {}
 
     def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
@@ -614,14 +616,15 @@ class Namer:
                 return [("attr", "__kwdefaults__")]
             return [("",)]  # its __dict__: the next step is an attribute
         if shape == "frame":
-            names = self._reverse_map(parent, lambda: dict.items(parent.f_locals))
+            local = parent.f_locals
+            names = self._reverse_map(parent, local, child_id) if type(local) is dict else {}
             return [("local", parent.f_code.co_name, names.get(child_id, "?"))]
         if shape == "tb":
             return [("tb",)]
         if shape == "cell":
             return [("cell",)]
         if shape == "dict":
-            values = self._reverse_map(parent, lambda: dict.items(parent))
+            values = self._reverse_map(parent, parent, child_id)
             if child_id in values:
                 return [self._key_step(values[child_id])]
             for key in dict.keys(parent):
@@ -719,23 +722,38 @@ class Namer:
             return ("keypath", id(key), _qualname(type(key)))
         return ("keytype", _qualname(type(key)))
 
-    def _reverse_map(self, container: Any, items: Callable[[], Iterable[tuple[Any, Any]]]) -> dict[int, Any]:
+    def _needed(self, container: Any, child_id: int) -> set[int]:
+        """Ids of the children of ``container`` on the paths being named (so a huge container is
+        searched once, in a C-level pass, for just those)."""
+        if self._by_parent_size != len(self.parent_of):
+            by_parent: dict[int, set[int]] = {}
+            for cid, up in self.parent_of.items():
+                by_parent.setdefault(id(up), set()).add(cid)
+            self._by_parent, self._by_parent_size = by_parent, len(self.parent_of)
+        return self._by_parent.get(id(container), set()) | {child_id}
+
+    def _reverse_map(self, container: Any, mapping: dict, child_id: int) -> dict[int, Any]:
+        """id(value) -> its key in ``mapping`` for the children being named (the first key wins)."""
         cached = self._reverse.get(id(container))
-        if cached is None:
-            keys, values = [], []
-            for k, v in items():
-                keys.append(k)
-                values.append(v)
-            # Reversed: the first key holding a value wins.
+        if cached is None or child_id not in cached:
+            needed = self._needed(container, child_id)
+            mask = list(map(needed.__contains__, map(id, dict.values(mapping))))
+            keys = list(compress(dict.keys(mapping), mask))
+            values = list(compress(dict.values(mapping), mask))
             cached = dict(zip(map(id, reversed(values)), reversed(keys)))
             self._reverse[id(container)] = cached
         return cached
 
     def _index_of(self, container: Any, child_id: int, iterate: Callable[[Any], Any]) -> int:
+        """The position of a child in a sequence, set or array (found with those of its siblings being named)."""
         cached = self._reverse.get(id(container))
-        if cached is None:
-            ids = list(map(id, iterate(container)))
-            cached = dict(zip(reversed(ids), range(len(ids) - 1, -1, -1)))
+        if cached is None or child_id not in cached:
+            needed = self._needed(container, child_id)
+            items = list(iterate(container))
+            cached = {}
+            for at in reversed(list(compress(count(), map(needed.__contains__, map(id, items))))):
+                cached[id(items[at])] = at  # reversed: the first position wins
+            del items
             self._reverse[id(container)] = cached
         return cached.get(child_id, -1)
 
