@@ -21,7 +21,7 @@ from typing import Any
 
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
-from .walk import MISSING, Namer, _qualname, Root, Walk, instance_attributes, plain_dict_slot, render, resolve
+from .walk import MISSING, Namer, Root, Walk, _qualname, instance_attributes, plain_dict_slot, render, resolve
 
 USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
 STALE_KINDS = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
@@ -56,7 +56,7 @@ class Attribution:
 _REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
 _REMEMBER_LIMIT = 1_000_000
 # Steps that resolve() can re-read; a path with any other step is walked again each time.
-_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat"})
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad"})
 
 
 def instance_dict(obj: object) -> dict:
@@ -166,7 +166,7 @@ def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
             if name not in variables:
                 continue
             try:
-                obj = resolve(variables[name], steps, listed)
+                obj = resolve(variables[name], steps, listed, variables)
             except Exception:
                 continue
             if obj is not MISSING and storage_of.get(id(obj)) == key:
@@ -199,13 +199,28 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
             text = render(root, steps, key_text)
             hint = _hint(root, steps)
             holders[key] = Holder(root.kind, text, root.name, hint)
-            if root.kind == USER and all(s[0] in _RESOLVABLE for s in steps):
-                if len(_REMEMBERED) > _REMEMBER_LIMIT:
-                    _REMEMBERED.clear()
-                _REMEMBERED[key] = (root.name, steps, text, hint)
+            if root.kind == USER:
+                steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
+                _remember(key, root.name, steps, text, hint)
     finally:
         namer.clear()
     return holders
+
+
+def _key_at(namer: Namer, step: tuple) -> tuple:
+    """A dict key named by its own path, as a step resolve() can follow: the key's variable and steps."""
+    root, steps = namer.steps(step[1])
+    if root is None or root.kind != USER or not all(s[0] in _RESOLVABLE and s[0] != "keyat" for s in steps):
+        return step  # not re-readable: the path is walked again next time
+    return ("keyat", root.name, steps)
+
+
+def _remember(key: int, name: str, steps: tuple, text: str, hint: str | None) -> None:
+    """Keep a user-held storage's path for the next scan, if every step can be re-read."""
+    if all(s[0] in _RESOLVABLE for s in steps):
+        if len(_REMEMBERED) > _REMEMBER_LIMIT:
+            _REMEMBERED.clear()
+        _REMEMBERED[key] = (name, steps, text, hint)
 
 
 def _hint(root: Root, steps: tuple) -> str | None:
@@ -238,10 +253,14 @@ def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]
                 continue
             key = live.storage_of.get(id(grad)) if grad is not None else None
             if key in left:
-                holder = holders.get(live.storage_of.get(id(tensor)))
+                tensor_key = live.storage_of.get(id(tensor))
+                holder = holders.get(tensor_key)
                 if holder is not None:
                     holders[key] = Holder(holder.kind, holder.path + ".grad", holder.root)
                     left.discard(key)
+                    known = _REMEMBERED.get(tensor_key)
+                    if holder.kind == USER and known is not None and known[0] == holder.root:
+                        _remember(key, holder.root, known[1] + (("grad",),), holder.path + ".grad", None)
             del grad
     reached.clear()
 

@@ -17,6 +17,10 @@ Names are made after the walk, for the objects asked about only: each parent-to-
 found with C-level reads (dict items, sequence indexes, member descriptors, a frame's locals) and
 kept as *steps* (plain strings and ints, no references), which ``resolve`` re-reads later to
 check a remembered path still reaches the same object.
+
+One file (over 600 lines) because reaching, naming and re-reading share one private layout: the
+walk's segments of (ids, parents), its roots, and the step tuples that ``Namer`` writes, ``render``
+shows and ``resolve`` follows; split, each half would depend on the other's internals.
 """
 from __future__ import annotations
 
@@ -41,7 +45,6 @@ _SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, type
                types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
                types.MemberDescriptorType, types.ClassMethodDescriptorType, property, staticmethod,
                classmethod, types.MappingProxyType)
-_PLAIN_KEYS = (str, int, float, bool, bytes, type(None))
 _MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
 _type_dict = type.__dict__["__dict__"].__get__
 _type_mro = type.__dict__["__mro__"].__get__
@@ -950,14 +953,16 @@ def _key_repr(key: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def resolve(obj: Any, steps: tuple[Step, ...], items: dict[int, tuple[Any, list[Any]]] | None = None) -> Any:
+def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = None,
+            variables: dict[str, Any] | None = None) -> Any:
     """Follow remembered steps from ``obj`` with C-level reads; _MISSING where a step no longer holds.
 
     Only steps that can be re-read without running code are followed (plain dict keys, indexes,
     instance attributes and slots, closure cells, set members and object-array items by position);
     any other step fails, so the caller walks. ``items``: id(container) -> (container, its items),
     shared by the paths checked in one scan (a set is listed once, not once per path); the caller
-    clears it.
+    clears it. ``variables``: name -> object, for a dict value keyed by an object that has a path of
+    its own (``("keyat", variable, steps)``: the key is found by identity, never hashed).
     """
     pending_attr = False
     for step in steps:
@@ -996,11 +1001,29 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[int, tuple[Any, list[
                     obj = list.__getitem__(obj, step[1])
                 elif mro_has(cls, tuple):
                     obj = tuple.__getitem__(obj, step[1])
+                elif mro_has(cls, _deque()):
+                    listed = _listed(obj, "index", items)
+                    if listed is None or not 0 <= step[1] < len(listed):
+                        return _MISSING
+                    obj = listed[step[1]]
                 else:
                     return _MISSING
             except IndexError:
                 return _MISSING
-        elif tag == "member" or tag == "flat" or (tag == "index" and type(obj) is _deque()):
+        elif tag == "keyat":
+            if variables is None or step[1] not in variables or not mro_has(type(obj), dict):
+                return _MISSING
+            key = resolve(variables[step[1]], step[2], items, None)
+            if key is _MISSING:
+                return _MISSING
+            by_key = _values_by_key_identity(obj, items)
+            obj = by_key.get(id(key), _MISSING)
+            if obj is not _MISSING and obj[0] is not key:
+                return _MISSING
+            obj = obj[1] if obj is not _MISSING else _MISSING
+        elif tag == "grad":
+            obj = _tensor_grad(obj)
+        elif tag == "member" or tag == "flat":
             listed = _listed(obj, tag, items)
             if listed is None or not 0 <= step[1] < len(listed):
                 return _MISSING
@@ -1024,6 +1047,34 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[int, tuple[Any, list[
         if obj is _MISSING:
             return _MISSING
     return _MISSING if pending_attr else obj
+
+
+def _values_by_key_identity(mapping: dict, items: dict[Any, Any] | None) -> dict[int, tuple[Any, Any]]:
+    """id(key) -> (key, value) for a dict, built once per scan: keys matched by identity, not hash."""
+    known = items.get(("keys", id(mapping))) if items is not None else None
+    if known is not None and known[0] is mapping:
+        return known[1]
+    keys = list(dict.keys(mapping))
+    by_key = dict(zip(map(id, keys), zip(keys, dict.values(mapping))))
+    if items is not None:
+        items[("keys", id(mapping))] = (mapping, by_key)
+    return by_key
+
+
+def _tensor_grad(tensor: Any) -> Any:
+    """A leaf tensor's ``.grad`` read through TensorBase with subclass code off; _MISSING if none."""
+    torch = sys.modules.get("torch")
+    try:
+        base = torch._C.TensorBase
+        if not mro_has(type(tensor), base):
+            return _MISSING
+        with torch._C.DisableTorchFunctionSubclass():
+            if not base.is_leaf.__get__(tensor):
+                return _MISSING
+            grad = base.grad.__get__(tensor)
+    except Exception:
+        return _MISSING
+    return _MISSING if grad is None else grad
 
 
 def _listed(obj: Any, tag: str, items: dict[int, tuple[Any, list[Any]]] | None) -> list[Any] | None:
@@ -1085,4 +1136,4 @@ def _read_attribute(obj: Any, name: Any) -> Any:
         return _MISSING
 
 
-MISSING = _MISSING
+MISSING = _MISSING  # what resolve() returns where a remembered step no longer holds
