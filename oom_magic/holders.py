@@ -298,11 +298,13 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         walk.met.clear()
         order = list(map(id, met))  # walk order: the first tensor met names its storage
         live = group_storages(met, tensor_types, device, walk.nodes)
+        known = _remembered_holders(live, roots)  # re-checked paths need no naming
         for tid in order:
             key = live.storage_of.get(tid)
-            if key is not None and key not in walk.found:
+            if key is not None and key not in walk.found and key not in known:
                 walk.found[key] = tid
         holders = _name_found(walk, torch, live)
+        holders.update(known)
         return live, Attribution(holders, walk.complete, walk.nodes, frozenset())
     except BaseException:
         live.release()
