@@ -208,3 +208,21 @@ def test_a_users_gc_setting_survives_every_scan(ip, enabled):
     finally:
         gc.enable()
     assert after is enabled
+
+
+def test_the_deadline_is_checked_inside_one_huge_container():
+    """A 620k-item set is read a slice at a time with the clock checked between slices."""
+    from oom_magic.holders import attribute_reachable
+    from oom_magic.roots import Roots
+    from oom_magic.tracker import tensor_types
+
+    big = {(i, _Tracked()) for i in range(620_000)}
+    live, attribution = attribute_reachable(Roots(user=(("big", big),)), torch, tensor_types(torch), "cpu",
+                                            budget_seconds=0.0)
+    live.release()
+    assert not attribution.complete
+    assert 0 < attribution.nodes_walked < 100_000  # stopped inside the set, not after reading all of it
+
+
+class _Tracked:
+    """A gc-tracked object (its instances keep the tuples holding them tracked)."""
