@@ -219,3 +219,174 @@ if __name__ == "__main__":
     gc.disable()
     print(build_heap(sys.argv[1] if len(sys.argv) > 1 else "800k", int(sys.argv[2]) if len(sys.argv) > 2 else 1000,
                      sys.modules["__main__"].__dict__, garbage=sys.argv[3] if len(sys.argv) > 3 else None))
+
+
+# --------------------------------------------------------------------------- heap shapes (issue 12)
+# Each shape fills the user namespace with one kind of data a notebook holds, to ~SHAPE_OBJECTS gc
+# objects in all (torch included), with ``tensors`` tensors placed inside that data; ``spot`` gives
+# the path a user would type to one tensor and the tensor itself, so the benchmark checks its name.
+SHAPE_OBJECTS = 800_000
+SHAPES = ("slots", "attrs", "dataclass", "namedtuple", "nested_dicts", "tree", "sets", "deque", "numpy",
+          "pandas", "model_adamw", "kv_cache", "module_list")
+
+
+class Token:
+    """A token record with a vector slot."""
+
+    __slots__ = ("id", "text", "vector")
+
+    def __init__(self, i: int, vector: Any) -> None:
+        self.id, self.text, self.vector = i, f"tok{i}", vector
+
+
+class AttrsRecord:
+    """What attrs generates: plain instances whose __init__ assigns each field."""
+
+    def __init__(self, i: int, embedding: Any) -> None:
+        self.id = i
+        self.name = f"r{i}"
+        self.tags = [i % 5, i % 7]
+        self.embedding = embedding
+
+
+class TreeNode:
+    def __init__(self, value: Any) -> None:
+        self.children: list[TreeNode] = []
+        self.value = value
+
+
+def build_shape(shape: str, tensors: int, namespace: dict, objects: int = SHAPE_OBJECTS) -> tuple[str, Any]:
+    """Fill ``namespace`` with heap shape ``shape`` holding ``tensors`` tensors; (spot path, spot tensor).
+
+    The shape's data takes ~70% of the objects (tuples of atoms that the collector untracks are not
+    counted); records, instances and a library's registry (as in ``build_heap``) top it up.
+    """
+    spot = _shape_data(shape, tensors, namespace, int(objects * 0.7))
+    gc.collect()
+    if _count() < objects - 10_000:
+        user: list[list[Any]] = [[], []]
+        namespace["records"], namespace["examples"] = user
+        library_module = types.ModuleType(LIBRARY_MODULE)
+        library_module.registry = []
+        sys.modules[LIBRARY_MODULE] = library_module
+        _fill(objects, user, library_module.registry)
+    return spot
+
+
+def _shape_data(shape: str, tensors: int, namespace: dict, objects: int) -> tuple[str, Any]:
+    import collections
+    import dataclasses
+    import torch
+
+    namespace["torch"] = torch
+    gc.collect()
+    budget = max(objects - _count(), 10_000)
+
+    def vec(i: int) -> Any:
+        return torch.ones(4) if i % every == 0 and i // every < tensors else [i, i + 1]
+
+    if shape == "slots":
+        every = max(budget // 2 // tensors, 1)  # a token and its list
+        namespace["tokens"] = data = [Token(i, vec(i)) for i in range(budget // 2)]
+        k = every * (tensors // 2)
+        return f"tokens[{k}].vector", data[k].vector
+    if shape == "attrs":
+        every = max(budget // 4 // tensors, 1)
+        namespace["rows"] = data = [AttrsRecord(i, vec(i)) for i in range(budget // 4)]
+        k = every * (tensors // 2)
+        return f"rows[{k}].embedding", data[k].embedding
+    if shape == "dataclass":
+        Example_ = dataclasses.make_dataclass("Sample", [("id", int), ("label", str), ("features", Any)])
+        namespace["Sample"] = Example_
+        every = max(budget // 3 // tensors, 1)
+        namespace["samples"] = data = [Example_(i, f"l{i}", vec(i)) for i in range(budget // 3)]
+        k = every * (tensors // 2)
+        return f"samples[{k}].features", data[k].features
+    if shape == "namedtuple":
+        Row = collections.namedtuple("Row", "id label features")
+        namespace["Row"] = Row
+        every = max(budget // 3 // tensors, 1)
+        namespace["table"] = data = [Row(i, f"l{i}", vec(i)) for i in range(budget // 3)]
+        k = every * (tensors // 2)
+        return f"table[{k}][2]", data[k].features
+    if shape == "nested_dicts":
+        every = max(budget // 4 // tensors, 1)
+        namespace["docs"] = data = [{"id": i, "meta": {"source": "web", "spans": [i, i + 3]}, "emb": vec(i)}
+                                    for i in range(budget // 4)]
+        k = every * (tensors // 2)
+        return f"docs[{k}]['emb']", data[k]["emb"]
+    if shape == "tree":
+        every = max(budget // 3 // tensors, 1)
+        root = TreeNode(None)
+        nodes = [root]
+        for i in range(1, budget // 3):
+            node = TreeNode(vec(i))
+            nodes[(i - 1) // 4].children.append(node)
+            nodes.append(node)
+        namespace["tree"] = root
+        k = every * (tensors // 2) or every
+        path, i = [], k
+        while i:
+            path.append((i - 1) % 4)
+            i = (i - 1) // 4
+        text = "tree" + "".join(f".children[{j}]" for j in reversed(path)) + ".value"
+        result = nodes[k].value
+        nodes.clear()
+        return text, result
+    if shape == "sets":
+        every = max(budget // 2 // tensors, 1)
+        items = [(i, vec(i)) if i % every == 0 and i // every < tensors else (i, f"s{i}") for i in range(budget // 2)]
+        namespace["pairs"] = set(items[: len(items) // 2])
+        namespace["frozen"] = frozenset(items[len(items) // 2:])
+        spot = next(p for p in namespace["pairs"] if type(p[1]) is not str)
+        index = list(namespace["pairs"]).index(spot)
+        items.clear()
+        return f"pairs{{#{index}}}[1]", spot[1]
+    if shape == "deque":
+        every = max(budget // 3 // tensors, 1)
+        namespace["queue"] = data = collections.deque({"step": i, "obs": vec(i)} for i in range(budget // 3))
+        k = every * (tensors // 2)
+        return f"queue[{k}]['obs']", data[k]["obs"]
+    if shape == "numpy":
+        import numpy as np
+
+        every = max(budget // 2 // tensors, 1)
+        n = budget // 2
+        array = np.empty(n, dtype=object)
+        for i in range(n):
+            array[i] = vec(i)
+        namespace["column"] = array
+        k = every * (tensors // 2)
+        return f"column[{k}]", array[k]
+    if shape == "pandas":
+        import pandas as pd
+
+        every = max(budget // 2 // tensors, 1)
+        n = budget // 2
+        namespace["df"] = df = pd.DataFrame({"id": range(n), "emb": [vec(i) for i in range(n)]})
+        k = every * (tensors // 2)
+        return f"df['emb'].iloc[{k}]", df["emb"].iloc[k]
+    if shape in ("model_adamw", "kv_cache", "module_list"):
+        import transformers  # noqa: F401  (part of such a notebook's heap)
+
+        if shape == "model_adamw":
+            layers = max((tensors // 3 - 3) // 9, 1)  # params + two moments each
+            model = _llama_model(layers)
+            opt = torch.optim.AdamW(model.parameters())
+            model(torch.ones(1, 4, dtype=torch.long)).logits.sum().backward()
+            opt.step()
+            from torch.utils.data import DataLoader
+
+            namespace["model"], namespace["opt"] = model, opt
+            namespace["loader"] = DataLoader([torch.arange(4) for _ in range(16)], batch_size=4)
+            target = model.model.layers[layers // 2].mlp.up_proj.weight
+            spot = (f"model.model.layers[{layers // 2}].mlp.up_proj.weight", target)
+        elif shape == "kv_cache":
+            n = tensors // 2
+            namespace["cache"] = cache = {f"layer_{i}": (torch.ones(2, 4), torch.ones(2, 4)) for i in range(n)}
+            spot = (f"cache['layer_{n // 2}'][1]", cache[f"layer_{n // 2}"][1])
+        else:
+            namespace["blocks"] = blocks = [torch.nn.Linear(4, 4) for _ in range(tensors // 2)]
+            spot = (f"blocks[{len(blocks) // 2}].weight", blocks[len(blocks) // 2].weight)
+        return spot
+    raise ValueError(f"unknown heap shape {shape!r}")

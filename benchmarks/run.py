@@ -440,6 +440,7 @@ def results_markdown(results: dict[str, Any], elapsed: float) -> str:
         "",
     ]
     lines += scan_notes(scan, results.get("before_note", ""))
+    lines += shapes_section(results.get("shapes", {}))
     lines += kernel_and_hook_section(results)
     lines += estimate_section(results.get("estimate", {}))
     lines += cleanup_section(results.get("cleanup", {}))
@@ -447,6 +448,19 @@ def results_markdown(results: dict[str, Any], elapsed: float) -> str:
         lines += ["## Estimates vs really held", "", "bench_estimate_truth.py: see ESTIMATES.md.", ""]
     lines += ["## Raw figures", "", "Every timing (all repetitions) is in `benchmarks/results.json`.", ""]
     return "\n".join(lines)
+
+
+def shapes_section(shapes: dict[str, Any]) -> list[str]:
+    """The heap-shape table (issue 12): every shape against the floor, the naive scan and memlab."""
+    if not shapes:
+        return []
+    import bench_shapes
+
+    if "error" in shapes:
+        return ["## Scan on every heap shape", "", f"Not measured: {shapes['error']}", ""]
+    return ["## Scan on every heap shape (`benchmarks/bench_shapes.py`)", "",
+            bench_shapes.__doc__.split("\n\n", 1)[1].strip(), "",
+            *bench_shapes.markdown(shapes), ""]
 
 
 def scan_notes(scan: dict[str, Any], before_note: str) -> list[str]:
@@ -631,7 +645,7 @@ def cleanup_section(clean: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small heaps only, fewer repetitions (a smoke test)")
-    parser.add_argument("--only", nargs="*", choices=("scan", "hook", "kernel", "estimate", "cleanup", "truth"),
+    parser.add_argument("--only", nargs="*", choices=("scan", "shapes", "hook", "kernel", "estimate", "cleanup", "truth"),
                         help="run only these benchmarks")
     parser.add_argument("--before", default=BEFORE_REF, help="git ref whose tracker/holders are timed as 'before' ('' to skip)")
     parser.add_argument("--render", action="store_true",
@@ -643,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
         log("wrote benchmarks/RESULTS.md from benchmarks/results.json (no benchmark ran)")
         return 0
     started = time.perf_counter()
-    wanted = set(args.only or ("scan", "hook", "kernel", "estimate", "cleanup", "truth"))
+    wanted = set(args.only or ("scan", "shapes", "hook", "kernel", "estimate", "cleanup", "truth"))
     results: dict[str, Any] = {"machine": machine()}
     log(f"machine: {results['machine']['cpu_model']}, {results['machine']['logical_cores']} cores, "
         f"{results['machine']['ram_bytes'] / 2**30:.1f} GiB, Python {results['machine']['python']}, "
@@ -662,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
         if before_dir:
             shutil.rmtree(before_dir, ignore_errors=True)
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        # Every heap shape of issue 12 (one process each), 1k tensors, and 100k for three of them.
+        ("shapes", lambda: _in_process("bench_shapes", kwargs={"plan": (("slots", 1_000), ("kv_cache", 1_000))}
+                                       if args.quick else {}, timeout=900)),
         ("hook", lambda: _in_process("bench_hook", kwargs={"cells": 300, "rounds": 3} if args.quick else {})),
         ("kernel", kernel_anchor),
         ("estimate", lambda: _in_process("bench_estimate")),

@@ -1,45 +1,43 @@
 """Say who holds each storage: a user variable's path, the output cache, a traceback, garbage.
 
 First match wins, in DESIGN.md's order: user → output-cache → traceback → garbage → other.
-The walk reads objects through C-level slots (``dict.items``, ``object.__getattribute__``) so a
-hostile ``__getattr__``, ``__iter__`` or ``__eq__`` in the user's namespace is never called.
+The walk (walk.py) reaches objects through the interpreter's own traversal and names only the
+storages found, with C-level reads, so a hostile ``__getattr__``, ``__iter__``, ``__eq__`` or
+``__hash__`` in the user's namespace is never called.
+
+Exact first, then fast: a user-held storage's path is remembered as steps (strings and ints, no
+references); the next scan re-reads each one from its variable and trusts it only if it still
+reaches a tensor of that same storage. Whatever is left gets a walk, which stops as soon as every
+storage left has a holder; the garbage and library-held tests run only for what is left after it.
 """
 from __future__ import annotations
 
 import gc
-import re
 import sys
 import time
 import types
-import weakref
 from dataclasses import dataclass
-from itertools import chain, islice, repeat
-from typing import Any, Iterator
+from typing import Any
 
 from .roots import Roots
-from .tracker import LiveTensors, gc_paused, group_storages
+from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
+from .walk import MISSING, Namer, Root, Walk, _qualname, instance_attributes, plain_dict_slot, render, resolve
 
 USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
 STALE_KINDS = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
 
-_ATOMIC = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range,
-                     type(Ellipsis), type(NotImplemented), memoryview})
-_NEVER_DESCEND = frozenset({types.ModuleType, type, types.BuiltinFunctionType,
-                            types.MethodWrapperType, types.WrapperDescriptorType,
-                            types.CodeType, types.GetSetDescriptorType, types.MemberDescriptorType,
-                            weakref.ref})
-_KEY_MARK = re.compile("\x00(\\d+):(\\d+)\x00")
-# nn.Module's child dicts: their entries are shown as attributes (model.fc.weight).
-_MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
-
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a storage: the kind, the path to show, and the root it was reached from."""
+    """Who holds a storage: the kind, the path to show, and the root it was reached from.
+
+    ``hint``: how to free it where the path alone does not say (an lru cache: ``f.cache_clear()``).
+    """
 
     kind: str
     path: str
     root: str
+    hint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,363 +47,16 @@ class Attribution:
     holders: dict[int, Holder]
     complete: bool
     nodes_walked: int
-    user_reachable: frozenset[int]  # ids of objects reachable from user variables
+    # ids of the output-cache and traceback roots' objects that a user variable also reaches
+    # (cleanup never clears what a user variable holds)
+    user_reachable: frozenset[int]
 
 
-# How a child hangs off its parent, rendered into path text only for the tensors found: building
-# every visited object's path string cost more than the rest of the walk.
-_ROOT, _SUFFIX, _INDEX, _KEY, _KEYPOS, _ATTR, _MODATTR = range(7)
-# What the walk does with an object, decided once per class (first match, as listed).
-(_TENSOR, _DICT, _LIST, _TUPLE, _SET, _FROZENSET, _LEAF, _FUNCTION, _METHOD, _TRACEBACK, _FRAME,
- _EXCEPTION, _LRU_CACHE, _CELL, _NN_MODULE, _OBJECT, _SLOTTED) = range(17)  # _SLOTTED: __dict__ not read
-
-# A queue entry: (object, parent entry, step kind, step data, step index); roots have no parent.
-_Entry = tuple
-# Containers with more items than this are expanded after everything else, _BIG items at a time.
-_BIG = 4096
-
-
-def _keyed_entries(entry: _Entry, pairs: Any) -> list[_Entry]:
-    """Queue entries for a dict's tracked keys and values, from ``(index, (key, value))`` pairs.
-
-    A value that is a plain list of untracked items (token ids) is not queued: nothing in it can
-    be or hold a tensor.
-    """
-    is_tracked = gc.is_tracked
-    entries: list[_Entry] = []
-    for i, (key, value) in pairs:
-        if is_tracked(key):
-            entries.append((key, entry, _KEYPOS, i, 0))
-        if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
-            entries.append((value, entry, _KEY, key, i))
-    return entries
-
-
-class _Walk:
-    """Breadth-first walk from named roots; the first path reaching a storage wins.
-
-    Containers with more than ``_BIG`` items are expanded last, in slices, so one list of ten
-    million records cannot spend the budget before the model beside it is walked. With
-    ``collect`` the walk itself gathers the tensors it meets (no heap pass was made).
-    """
-
-    def __init__(self, live: LiveTensors, tensor_types: frozenset[type], torch: Any,
-                 skip: tuple[object, ...], budget_nodes: int, deadline: float, *, collect: bool = False) -> None:
-        self.storage_of = live.storage_of
-        self.tensor_types = tensor_types
-        self.module_type = getattr(getattr(torch, "nn", None), "Module", None)
-        self.found: dict[int, tuple[str, _Entry]] = {}  # storage key -> (kind, entry of its first tensor)
-        self.visited: set[int] = {id(o) for o in skip}
-        self.tensor_entries: dict[int, _Entry] = {}  # id(tensor) -> its first entry (names dict keys)
-        self.met: list[tuple[str, _Entry]] | None = [] if collect else None  # (kind, entry) per tensor met
-        self.nodes = 0
-        self.budget_nodes = budget_nodes
-        self.deadline = deadline
-        self.complete = True
-        self._kinds: dict[type, int] = {}
-        self._slots: dict[type, tuple[str, ...]] = {}
-        self._big: list[tuple[_Entry, int]] = []  # (entry, _DICT or _LIST or _TUPLE) expanded last
-
-    def run(self, kind: str, roots: tuple[tuple[str, object], ...]) -> None:
-        self._level_walk(kind, [(obj, None, _ROOT, name, 0) for name, obj in roots])
-        while self._big and self.complete:
-            entry, what = self._big.pop(0)
-            for chunk, leaves in self._slices(entry, what):
-                if leaves:
-                    self._mark_walked(leaves)
-                else:
-                    self._level_walk(kind, chunk)
-                if not self.complete:
-                    break
-        self._big.clear()
-
-    def _slices(self, entry: _Entry, what: int) -> Iterator[tuple[list[_Entry], list[object]]]:
-        """A big container's children, ``_BIG`` at a time (never all at once): (entries to walk, leaves).
-
-        A slice of records that cannot lead to a tensor (a tokenised dataset's rows) comes back
-        as leaves: marked as walked in C-level passes, without a queue entry each.
-        """
-        obj = entry[0]
-        if what is _DICT:
-            items = enumerate(dict.items(obj))
-            while chunk := list(islice(items, _BIG)):
-                yield _keyed_entries(entry, chunk), []
-        else:
-            values = iter(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
-            start = 0
-            while chunk := list(islice(values, _BIG)):
-                if self._leaves(chunk):
-                    yield [], chunk
-                else:
-                    yield [(item, entry, _INDEX, i, 0) for i, item in enumerate(chunk, start)
-                           if gc.is_tracked(item)], []
-                start += len(chunk)
-
-    def _leaves(self, items: list[object]) -> bool:
-        """Whether none of ``items`` can lead to a tensor, decided in C-level passes.
-
-        For rows of one shape only: plain dicts, or instances of one plain class (its ``__dict__``
-        CPython's own, no ``__slots__``), whose keys are untracked and whose tracked values are
-        plain lists of untracked items (``{"id": 7, "tokens": [101, 2023], "meta": {"n": 2}}``).
-        """
-        classes = set(map(type, items))
-        if len(classes) != 1:
-            return False
-        cls = classes.pop()
-        if cls is dict:
-            dicts = items
-        else:
-            what = self._kinds.get(cls)
-            if what is None:
-                what = self._kinds[cls] = self._classify(cls)
-            slots = self._slots.get(cls)
-            if slots is None:
-                slots = self._slots[cls] = _slot_names(cls)
-            if what is not _OBJECT or slots:
-                return False
-            try:  # the class's __dict__ is CPython's slot (_OBJECT): no user code runs
-                dicts = list(map(object.__getattribute__, items, repeat("__dict__")))
-            except Exception:
-                return False
-            if set(map(type, dicts)) != {dict}:
-                return False
-        if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, dicts)))):
-            return False
-        values = list(filter(gc.is_tracked, chain.from_iterable(map(dict.values, dicts))))
-        if not values:
-            return True
-        return set(map(type, values)) == {list} and not any(map(gc.is_tracked, chain.from_iterable(values)))
-
-    def _mark_walked(self, leaves: list[object]) -> None:
-        """Count objects that hold nothing worth a visit as walked (no entry, no classification)."""
-        self.visited.update(map(id, leaves))
-        self.nodes += len(leaves)
-        if self.nodes >= self.budget_nodes or time.perf_counter() > self.deadline:
-            self.complete = False
-
-    def _level_walk(self, kind: str, level: list[_Entry]) -> None:
-        # Level by level in FIFO order: the same order as a queue, with fewer operations per object.
-        visited, storage_of, found, met = self.visited, self.storage_of, self.found, self.met
-        kinds, slots_of, big = self._kinds, self._slots, self._big.append
-        # Only gc-tracked objects can hold a tensor (a tensor is tracked, and so is anything holding
-        # one): untracked children (ints, strings, dicts of atoms) are never queued, and neither
-        # is a plain list of them (token lists: half the objects of a tokenised dataset).
-        is_tracked = gc.is_tracked
-        nodes, budget, deadline = self.nodes, self.budget_nodes, self.deadline
-        while level:
-            following: list[_Entry] = []
-            push = following.append
-            for entry in level:
-                obj = entry[0]
-                oid = id(obj)
-                if oid in visited:
-                    continue
-                visited.add(oid)
-                nodes += 1
-                if nodes >= budget or (nodes & 1023 == 0 and time.perf_counter() > deadline):
-                    self.nodes = nodes
-                    self.complete = False
-                    return
-                cls = type(obj)
-                what = kinds.get(cls)
-                if what is None:
-                    what = kinds[cls] = self._classify(cls)
-                # Children are queued without a visited test: the test at pop time decides, and
-                # the first occurrence in queue order still wins.
-                try:
-                    if what is _DICT:
-                        # An untracked dict holds only untracked objects: no tensor can be in it.
-                        if not is_tracked(obj):
-                            continue
-                        if dict.__len__(obj) > _BIG:
-                            big((entry, what))
-                            continue
-                        following.extend(_keyed_entries(entry, enumerate(list(dict.items(obj)))))
-                    elif what is _LIST or what is _TUPLE:
-                        if what is _TUPLE and not is_tracked(obj):
-                            continue
-                        if (list.__len__(obj) if what is _LIST else tuple.__len__(obj)) > _BIG:
-                            big((entry, what))
-                            continue
-                        items = list(list.__iter__(obj) if what is _LIST else tuple.__iter__(obj))
-                        if len(items) >= 16 and self._leaves(items):  # records: walked in C-level passes
-                            visited.update(map(id, items))
-                            nodes += len(items)
-                        elif any(map(is_tracked, items)):
-                            for i, item in enumerate(items):
-                                if is_tracked(item) and (type(item) is not list or any(map(is_tracked, item))):
-                                    push((item, entry, _INDEX, i, 0))
-                    elif what is _OBJECT or what is _SLOTTED:
-                        if what is _OBJECT:  # the class's __dict__ is CPython's slot: no user code runs
-                            try:
-                                attrs = object.__getattribute__(obj, "__dict__")
-                            except Exception:
-                                attrs = None
-                            if type(attrs) is dict:
-                                for name, value in list(attrs.items()):
-                                    if is_tracked(value) and (type(value) is not list or any(map(is_tracked, value))):
-                                        push((value, entry, _ATTR, name, 0))
-                        slots = slots_of.get(cls)
-                        if slots is None:
-                            slots = slots_of[cls] = _slot_names(cls)
-                        for slot in slots:
-                            try:
-                                push((object.__getattribute__(obj, slot), entry, _ATTR, slot, 0))
-                            except Exception:
-                                continue
-                    elif what is _LEAF:
-                        pass
-                    elif what is _NN_MODULE:
-                        for child, step, data in _module_children(obj):
-                            push((child, entry, step, data, 0))
-                    elif what is _TENSOR:
-                        self.tensor_entries.setdefault(oid, entry)
-                        key = storage_of.get(oid)
-                        if key is not None and key not in found:
-                            found[key] = (kind, entry)
-                        elif met is not None:
-                            met.append((kind, entry))
-                        # .grad on a non-leaf warns; only leaves carry a user-visible gradient.
-                        if obj.is_leaf:
-                            grad = obj.grad
-                            if grad is not None:
-                                push((grad, entry, _SUFFIX, ".grad", 0))
-                        for name, value in list(instance_dict(obj).items()):
-                            push((value, entry, _ATTR, name, 0))
-                    else:
-                        for child, suffix in self._other_children(obj, what):
-                            push((child, entry, _SUFFIX, suffix, 0))
-                except Exception:
-                    # A hostile or half-built object: walk what we got, skip the rest.
-                    pass
-            level = following
-        self.nodes = nodes
-
-    def _classify(self, cls: type) -> int:
-        """Which branch of the walk handles instances of ``cls`` (checked in this order)."""
-        try:
-            if cls in self.tensor_types:
-                return _TENSOR
-            if cls is dict or issubclass(cls, dict):
-                return _DICT
-            if cls is list or cls is tuple or issubclass(cls, (list, tuple)):
-                return _LIST if issubclass(cls, list) else _TUPLE
-            if issubclass(cls, (set, frozenset)):
-                return _SET if issubclass(cls, set) else _FROZENSET
-            if cls in _ATOMIC or cls in _NEVER_DESCEND or issubclass(cls, type):
-                return _LEAF
-            if cls is types.FunctionType:
-                return _FUNCTION
-            if cls is types.MethodType:
-                return _METHOD
-            if cls is types.TracebackType:
-                return _TRACEBACK
-            if cls is types.FrameType:
-                return _FRAME
-            if issubclass(cls, BaseException):
-                return _EXCEPTION
-            if cls.__name__ == "_lru_cache_wrapper":
-                return _LRU_CACHE
-            if cls.__name__ == "cell":
-                return _CELL
-            if self.module_type is not None and issubclass(cls, self.module_type):
-                return _NN_MODULE
-            return _OBJECT if _plain_dict_slot(cls) else _SLOTTED
-        except Exception:
-            return _LEAF  # a class that cannot be inspected safely: do not descend
-
-    def _other_children(self, obj: Any, what: int) -> Iterator[tuple[object, str]]:
-        """Children of the less common kinds, with the path text each adds."""
-        if what is _SET or what is _FROZENSET:
-            for i, item in enumerate(set.__iter__(obj) if what is _SET else frozenset.__iter__(obj)):
-                if type(item) not in _ATOMIC:
-                    yield item, f"{{#{i}}}"
-        elif what is _FUNCTION:
-            yield from _function_children(obj)
-        elif what is _METHOD:
-            yield obj.__self__, ".__self__"
-        elif what is _TRACEBACK:
-            yield from _traceback_children(obj)
-        elif what is _FRAME:
-            yield from _frame_children(obj)
-        elif what is _EXCEPTION:
-            yield from _exception_children(obj)
-        elif what is _LRU_CACHE:
-            for ref in gc.get_referents(obj):
-                if type(ref) is dict:
-                    yield ref, ".cache"
-            wrapped = instance_dict(obj).get("__wrapped__")
-            if wrapped is not None:
-                yield wrapped, ".__wrapped__"
-        elif what is _CELL:
-            yield obj.cell_contents, ""
-
-    def _key_text(self, key: object, index: int) -> str:
-        if type(key) in (str, int, float, bool, type(None)):
-            return repr(key)
-        if type(key) in self.tensor_types:
-            # The key's own path may be found later in the walk: resolved in named_paths().
-            return f"\x00{id(key)}:{index}\x00"
-        return f"<key #{index}>"
-
-    def _path(self, entry: _Entry, rendered: dict[int, tuple[str, str]]) -> tuple[str, str]:
-        """The entry's path text and root name; prefixes shared by many tensors are rendered once."""
-        chain = [entry]
-        node = entry
-        while True:
-            parent = node[1]
-            if parent is None:  # a root: its name is the path
-                chain.pop()
-                path = root = node[3]
-                break
-            known = rendered.get(id(parent))
-            if known is not None:
-                path, root = known
-                break
-            chain.append(parent)
-            node = parent
-        key_text = self._key_text
-        for node in reversed(chain):
-            _, _, step, data, index = node
-            if step is _KEY:
-                try:
-                    path += f"[{key_text(data, index)}]"
-                except Exception:  # a key whose repr fails (an int too long to print)
-                    path += f"[<key #{index}>]"
-            elif step is _INDEX:
-                path += f"[{data}]"
-            elif step is _ATTR:
-                path += f".{data}"
-            elif step is _MODATTR:
-                path += f"[{data}]" if isinstance(data, str) and data.isdigit() else f".{data}"
-            elif step is _KEYPOS:
-                path += f".keys()[{data}]"
-            else:
-                path += data
-            if node is not entry:
-                rendered[id(node)] = (path, root)
-        return path, root
-
-    def named_paths(self) -> dict[int, Holder]:
-        """Holders with tensor dict keys shown by their path (``opt.state[model.fc.weight]``)."""
-        rendered: dict[int, tuple[str, str]] = {}
-
-        def name(match: re.Match) -> str:
-            entry = self.tensor_entries.get(int(match.group(1)))
-            path = self._path(entry, rendered)[0] if entry is not None else None
-            return path if path is not None and "\x00" not in path else f"<key #{match.group(2)}>"
-
-        result: dict[int, Holder] = {}
-        for key, (kind, entry) in self.found.items():
-            path, root = self._path(entry, rendered)
-            if "\x00" in path:
-                path = _KEY_MARK.sub(name, path)
-            result[key] = Holder(kind, path, root)
-        # The entries hold the walked objects: drop them before anything counts references.
-        self.found.clear()
-        self.tensor_entries.clear()
-        rendered.clear()
-        return result
+# storage key -> (variable, steps, path text): user-held paths of the last scans, re-checked before use.
+_REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
+_REMEMBER_LIMIT = 1_000_000
+# Steps that resolve() can re-read; a path with any other step is walked again each time.
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad"})
 
 
 def instance_dict(obj: object) -> dict:
@@ -414,123 +65,20 @@ def instance_dict(obj: object) -> dict:
     ``object.__getattribute__`` skips a user ``__getattr__``, but would still run a ``__dict__``
     property defined on the class: such classes are read as having no attributes.
     """
-    if not _plain_dict_slot(type(obj)):
-        return {}
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-    except Exception:
-        return {}
-    return d if type(d) is dict else {}
+    return instance_attributes(obj)
 
 
-# id(class) -> (weak reference to the class, whether its ``__dict__`` is the C slot); weak so no
-# class (and the tensors its attributes hold) is kept alive by the cache.
-_DICT_SLOT: dict[int, tuple[Any, bool]] = {}
-_SLOT_DESCRIPTORS = (types.GetSetDescriptorType, types.MemberDescriptorType)
+_plain_dict_slot = plain_dict_slot
 
 
-def _plain_dict_slot(cls: type) -> bool:
-    """Whether the first ``__dict__`` along ``cls``'s MRO is CPython's own descriptor (no user code)."""
-    cached = _DICT_SLOT.get(id(cls))
-    if cached is not None and cached[0]() is cls:
-        return cached[1]
-    plain = False
-    try:
-        for klass in type.__dict__["__mro__"].__get__(cls):
-            found = type.__dict__["__dict__"].__get__(klass).get("__dict__", _MISSING)
-            if found is not _MISSING:
-                plain = type(found) in _SLOT_DESCRIPTORS
-                break
-        _DICT_SLOT[id(cls)] = (weakref.ref(cls, lambda _, key=id(cls): _DICT_SLOT.pop(key, None)), plain)
-    except Exception:  # a class that cannot be inspected or weakly referenced: read nothing
-        return False
-    return plain
+def forget_paths() -> None:
+    """Drop every remembered path (the next scan walks from scratch)."""
+    _REMEMBERED.clear()
 
 
-_MISSING = object()
-
-
-def _slot_names(cls: type) -> tuple[str, ...]:
-    """Every ``__slots__`` name along the class's MRO, in MRO order."""
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        if isinstance(slots, (tuple, list)):
-            names.extend(slots)
-    return tuple(names)
-
-
-def _module_children(module: Any) -> list[tuple[object, int, object]]:
-    """An nn.Module's parameters, buffers and submodules by name, then its other tracked attributes."""
-    attrs = instance_dict(module)
-    children: list[tuple[object, int, object]] = []
-    for group in _MODULE_CHILD_DICTS:
-        named = attrs.get(group)
-        if type(named) is dict:
-            children.extend((value, _MODATTR, name) for name, value in list(named.items()) if value is not None)
-    is_tracked, internal = gc.is_tracked, _MODULE_INTERNALS
-    for name, value in list(attrs.items()):
-        if name in internal or not is_tracked(value):
-            continue
-        if type(name) is str and name.startswith("_") and name.endswith("hooks"):
-            continue  # hook dicts of other libraries' modules: callables, not weights
-        children.append((value, _ATTR, name))
-    return children
-
-
-# What nn.Module.__init__ sets besides the three child dicts: flags, name sets and hook dicts.
-_MODULE_INTERNALS = frozenset({
-    "_parameters", "_buffers", "_modules", "training", "_non_persistent_buffers_set", "_is_full_backward_hook",
-    "_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
-    "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-})
-
-
-def _function_children(func: types.FunctionType) -> Iterator[tuple[object, str]]:
-    for i, cell in enumerate(func.__closure__ or ()):
-        try:
-            yield cell.cell_contents, f".__closure__[{i}]"
-        except ValueError:  # an empty cell
-            continue
-    for i, value in enumerate(func.__defaults__ or ()):
-        yield value, f".__defaults__[{i}]"
-    for name, value in (func.__kwdefaults__ or {}).items():
-        yield value, f".__kwdefaults__[{name!r}]"
-    wrapped = func.__dict__.get("__wrapped__")
-    if wrapped is not None:
-        yield wrapped, ".__wrapped__"
-
-
-def _traceback_children(tb: types.TracebackType) -> Iterator[tuple[object, str]]:
-    while tb is not None:
-        yield tb.tb_frame, ""
-        tb = tb.tb_next
-
-
-def _frame_children(frame: types.FrameType) -> Iterator[tuple[object, str]]:
-    # A module-level frame's locals are the user's (or a library's) globals: walked elsewhere.
-    if frame.f_code.co_flags & 0x1 == 0:  # CO_OPTIMIZED unset: module or class body
-        return
-    for name, value in list(frame.f_locals.items()):
-        yield value, f" → frame {frame.f_code.co_name} → local {name}"
-
-
-def _exception_children(exc: BaseException) -> Iterator[tuple[object, str]]:
-    if exc.__traceback__ is not None:
-        yield exc.__traceback__, ""
-    for i, arg in enumerate(exc.args):
-        yield arg, f".args[{i}]"
-    if exc.__cause__ is not None:
-        yield exc.__cause__, ".__cause__"
-    if exc.__context__ is not None:
-        yield exc.__context__, ".__context__"
-    for name, value in list(instance_dict(exc).items()):
-        yield value, f".{name}"
-
-
+@pins_nothing
 def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
-              budget_nodes: int = 2_000_000, budget_seconds: float = 5.0,
+              budget_nodes: int = 10_000_000, budget_seconds: float = 5.0,
               find_garbage: bool = True, trace_other: bool = True) -> Attribution:
     """Find a holder for every storage in ``live`` (user → output-cache → traceback → garbage → other)."""
     with gc_paused():
@@ -540,10 +88,33 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
 
 def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
                budget_nodes: int, budget_seconds: float, find_garbage: bool, trace_other: bool) -> Attribution:
-    walk = _Walk(live, tensor_types, torch, roots.containers + (live.tensors, live.storage_of, sys.modules),
-                 budget_nodes, time.perf_counter() + budget_seconds)
-    user_reachable = _walk_roots(walk, roots)
-    holders = walk.named_paths()
+    deadline = time.perf_counter() + budget_seconds
+    holders = _remembered_holders(live, roots)
+    wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
+    skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
+    walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
+    complete = True
+    user_exhausted = False
+    stale_objects = [o for _, o in roots.output_cache + roots.traceback]
+    user_reached: set[int] = set()
+    try:
+        if wanted:
+            for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
+                walk.start(kind, named)
+                walk.run()
+                if kind == USER:
+                    user_exhausted = walk.exhausted
+                    user_reached = _reached(walk, stale_objects)
+                if walk.done or not walk.complete:
+                    break
+            complete = walk.complete
+            holders.update(_name_found(walk, torch, live))
+            _grads(walk, live, torch, holders)
+        nodes = walk.nodes
+    finally:
+        walk.release()
+    if any(h.kind in STALE_KINDS for h in holders.values()) and not user_exhausted:
+        user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
     unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and find_garbage:
         for key in _garbage_storages(live, unclaimed):
@@ -552,11 +123,151 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if unclaimed and trace_other:
         for key, path in _referrer_chains(live, unclaimed).items():
             holders.setdefault(key, Holder(OTHER, path, "referrers"))
-    return Attribution(holders, walk.complete, walk.nodes, user_reachable)
+    del unclaimed
+    return Attribution(holders, complete, nodes, frozenset(user_reached))
 
 
+def _reached(walk: Walk, objects: list[Any]) -> set[int]:
+    return {id(o) for o in objects if walk.reached(id(o))}
+
+
+def _user_reach(roots: Roots, live: LiveTensors, objects: list[Any], deadline: float,
+                budget_nodes: int) -> set[int]:
+    """Which of ``objects`` the user's variables reach: a full walk, run only when stale memory exists."""
+    walk = Walk(roots.containers + (live.tensors, live.storage_of, sys.modules, roots),
+                deadline=max(deadline, time.perf_counter() + 1.0), budget_nodes=budget_nodes)
+    try:
+        walk.start(USER, roots.user)
+        walk.run()
+        reached = _reached(walk, objects)
+        if not walk.complete:  # not known: count every one as reached (cleanup then leaves it alone)
+            reached = {id(o) for o in objects}
+        return reached
+    finally:
+        walk.release()
+
+
+def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
+    """User-held storages whose remembered path still reaches a tensor of that storage now."""
+    if not _REMEMBERED or not roots.user:
+        return {}
+    variables: dict[str, Any] = {}
+    for name, obj in roots.user:
+        variables.setdefault(name, obj)
+    holders: dict[int, Holder] = {}
+    storage_of = live.storage_of
+    listed: dict[int, Any] = {}  # sets and arrays listed once for every path through them
+    try:
+        for key in live.storages:
+            known = _REMEMBERED.get(key)
+            if known is None:
+                continue
+            name, steps, text, hint = known
+            if name not in variables:
+                continue
+            try:
+                obj = resolve(variables[name], steps, listed, variables)
+            except Exception:
+                continue
+            if obj is not MISSING and storage_of.get(id(obj)) == key:
+                holders[key] = Holder(USER, text, name, hint)
+            del obj
+    finally:
+        listed.clear()
+        variables.clear()
+    return holders
+
+
+def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, Holder]:
+    """Path text for each storage the walk reached (its first tensor's path), remembered for next time."""
+    namer = Namer(walk, getattr(getattr(torch, "nn", None), "Module", None))
+    holders: dict[int, Holder] = {}
+    try:
+        def key_text(obj_id: int) -> str | None:
+            root, steps = namer.steps(obj_id)
+            if root is None:
+                return None
+            return render(root, steps, lambda _: None)
+
+        namer.prepare(walk.found.values())
+        paths = {key: namer.steps(tid) for key, tid in walk.found.items()}
+        # Keys shown by their own path (opt.state[model.fc.weight]): their parents in one more pass.
+        namer.prepare({step[1] for _, steps in paths.values() for step in steps if step[0] == "keypath"})
+        for key, (root, steps) in paths.items():
+            if root is None:
+                continue
+            text = render(root, steps, key_text)
+            hint = _hint(root, steps)
+            holders[key] = Holder(root.kind, text, root.name, hint)
+            if root.kind == USER:
+                steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
+                _remember(key, root.name, steps, text, hint)
+    finally:
+        namer.clear()
+    return holders
+
+
+def _key_at(namer: Namer, step: tuple) -> tuple:
+    """A dict key named by its own path, as a step resolve() can follow: the key's variable and steps."""
+    root, steps = namer.steps(step[1])
+    if root is None or root.kind != USER or not all(s[0] in _RESOLVABLE and s[0] != "keyat" for s in steps):
+        return step  # not re-readable: the path is walked again next time
+    return ("keyat", root.name, steps)
+
+
+def _remember(key: int, name: str, steps: tuple, text: str, hint: str | None) -> None:
+    """Keep a user-held storage's path for the next scan, if every step can be re-read."""
+    if all(s[0] in _RESOLVABLE for s in steps):
+        if len(_REMEMBERED) > _REMEMBER_LIMIT:
+            _REMEMBERED.clear()
+        _REMEMBERED[key] = (name, steps, text, hint)
+
+
+def _hint(root: Root, steps: tuple) -> str | None:
+    """How to free an lru cache's result: ``cached.cache_clear()``."""
+    for i, step in enumerate(steps):
+        if step[0] == "cache" or step == ("", "cache"):
+            return render(root, steps[:i], lambda _: None) + ".cache_clear()"
+    return None
+
+
+def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]) -> None:
+    """Name storages only a reached tensor's ``.grad`` holds (read through TensorBase, no user code)."""
+    left = {key for key in live.storages if key not in holders}
+    if not left or not walk.exhausted:
+        return
+    base = getattr(getattr(torch, "_C", None), "TensorBase", None)
+    disable = getattr(getattr(torch, "_C", None), "DisableTorchFunctionSubclass", None)
+    if base is None or disable is None:
+        return
+    by_id = {id(t): t for t in live.tensors}
+    reached = [by_id[i] for i in set(by_id).intersection(walk.visited) if walk.reached(i) or i in walk.roots]
+    by_id.clear()
+    with disable():
+        for tensor in reached:
+            try:
+                if not base.is_leaf.__get__(tensor):
+                    continue
+                grad = base.grad.__get__(tensor)
+            except Exception:
+                continue
+            key = live.storage_of.get(id(grad)) if grad is not None else None
+            if key in left:
+                tensor_key = live.storage_of.get(id(tensor))
+                holder = holders.get(tensor_key)
+                if holder is not None:
+                    holders[key] = Holder(holder.kind, holder.path + ".grad", holder.root)
+                    left.discard(key)
+                    known = _REMEMBERED.get(tensor_key)
+                    if holder.kind == USER and known is not None and known[0] == holder.root:
+                        _remember(key, holder.root, known[1] + (("grad",),), holder.path + ".grad", None)
+            del grad
+    reached.clear()
+
+
+@pins_nothing
 def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None, *,
-                        budget_nodes: int = 2_000_000, budget_seconds: float = 5.0) -> tuple[LiveTensors, Attribution]:
+                        budget_nodes: int = 10_000_000, budget_seconds: float = 5.0) -> tuple[LiveTensors, Attribution]:
     """The tensors reachable from the roots, and their holders, found by the walk alone (no heap pass).
 
     What no root reaches (garbage, a library's globals) is not found: a quick view whose cost
@@ -568,31 +279,38 @@ def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type],
 
 def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None,
                          budget_nodes: int, budget_seconds: float) -> tuple[LiveTensors, Attribution]:
-    walk = _Walk(LiveTensors([], {}, {}, 0, 0), tensor_types, torch, roots.containers + (sys.modules,),
-                 budget_nodes, time.perf_counter() + budget_seconds, collect=True)
-    user_reachable = _walk_roots(walk, roots)
-    met = walk.met or []
-    walk.met = None
-    seen: dict[int, Any] = {}
-    for _, entry in met:
-        seen.setdefault(id(entry[0]), entry[0])
-    live = group_storages(list(seen.values()), tensor_types, device, walk.nodes)
-    seen.clear()
-    for kind, entry in met:  # walk order: the first path to reach a storage names it
-        key = live.storage_of.get(id(entry[0]))
-        if key is not None and key not in walk.found:
-            walk.found[key] = (kind, entry)
-    met.clear()
-    return live, Attribution(walk.named_paths(), walk.complete, walk.nodes, user_reachable)
+    from .tracker import storage_types
 
-
-def _walk_roots(walk: _Walk, roots: Roots) -> frozenset[int]:
-    """Walk user → output-cache → traceback roots; the ids of what the user's variables reach."""
-    walk.run(USER, roots.user)
-    user_reachable = frozenset(walk.visited)
-    walk.run(OUTPUT_CACHE, roots.output_cache)
-    walk.run(TRACEBACK, roots.traceback)
-    return user_reachable
+    collect = frozenset(map(id, tensor_types)) | frozenset(map(id, storage_types(torch)))
+    walk = Walk(roots.containers + (sys.modules, roots), collect=collect,
+                deadline=time.perf_counter() + budget_seconds, budget_nodes=budget_nodes)
+    live = LiveTensors([], {}, {}, 0, 0)
+    try:
+        for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
+            walk.start(kind, named)
+            for _, obj in named:  # a root that is itself a tensor
+                if id(type(obj)) in collect and id(obj) in walk.roots:
+                    walk.met.append(obj)
+            walk.run()
+            if not walk.complete:
+                break
+        met = list({id(t): t for t in walk.met}.values())
+        walk.met.clear()
+        order = list(map(id, met))  # walk order: the first tensor met names its storage
+        live = group_storages(met, tensor_types, device, walk.nodes)
+        known = _remembered_holders(live, roots)  # re-checked paths need no naming
+        for tid in order:
+            key = live.storage_of.get(tid)
+            if key is not None and key not in walk.found and key not in known:
+                walk.found[key] = tid
+        holders = _name_found(walk, torch, live)
+        holders.update(known)
+        return live, Attribution(holders, walk.complete, walk.nodes, frozenset())
+    except BaseException:
+        live.release()
+        raise
+    finally:
+        walk.release()
 
 
 def _garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
@@ -719,19 +437,24 @@ def _chain(target: Any, ours: set[int], hops: int) -> str:
             base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
             break
         segments.append(_segment(holder, target))
-        base = f"<{type(holder).__qualname__}>"
+        base = f"<{_qualname(type(holder))}>"
         target = holder
     else:
-        base = f"…<{type(target).__qualname__}>"  # more hops than we follow
+        base = f"…<{_qualname(type(target))}>"  # more hops than we follow
     return base + "".join(reversed(segments))
 
 
 _SHOWN_KEYS = (str, int, float, bool, bytes, type(None))
 
 
+def _is_shown_key(key: object) -> bool:
+    cls = type(key)  # by identity: `in` on a tuple of types would call a metaclass __eq__
+    return any(cls is t for t in _SHOWN_KEYS)
+
+
 def _key_text_of(key: object) -> str:
     # Only plain keys are shown: repr() of an arbitrary key runs code we do not control.
-    return repr(key) if type(key) in _SHOWN_KEYS else f"<{type(key).__qualname__} key>"
+    return repr(key) if _is_shown_key(key) else f"<{_qualname(type(key))} key>"
 
 
 def _key_of(mapping: dict, target: Any) -> str:
@@ -745,8 +468,8 @@ def _segment(holder: Any, target: Any) -> str:
     if cls is dict:
         found = [k for k, v in list(holder.items()) if v is target][:1]
         return f"[{_key_text_of(found[0])}]" if found else "[<key>]"
-    if cls in (list, tuple):
+    if cls is list or cls is tuple:
         index = next((i for i, v in enumerate(holder) if v is target), "?")
         return f"[{index}]"
     attr = next((k for k, v in list(instance_dict(holder).items()) if v is target), None)
-    return f".{attr}" if type(attr) is str else f"→{cls.__qualname__}"
+    return f".{attr}" if type(attr) is str else f"→{_qualname(cls)}"

@@ -12,7 +12,7 @@ from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER,
 from .jupyter_kernels import KernelInfo
 from .nvml import Nvml
 from .roots import Roots, collect_roots
-from .tracker import StorageRecord, find_tensors, tensor_types
+from .tracker import StorageRecord, find_tensors, pins_nothing, tensor_types
 
 HOLDER_KINDS = (USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER)
 
@@ -137,6 +137,7 @@ def _path_under(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith((prefix + ".", prefix + "[", prefix + " "))
 
 
+@pins_nothing
 def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvml | None = None,
              top: int = 10, find_garbage: bool = True, heap_scan: bool = True,
              budget_seconds: float = 5.0, name_kernels: bool = False) -> Snapshot:

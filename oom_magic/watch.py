@@ -439,7 +439,9 @@ class _BoundTensors:
     """
 
     def __init__(self) -> None:
-        self._kinds: dict[type, int] = {}  # type -> 0 not tensor-ish, 1 tensor, 2 module
+        # id(type) -> (type, 0 not tensor-ish / 1 tensor / 2 module): by id, since a metaclass may
+        # define __eq__ without __hash__ (such a class cannot be a dict key).
+        self._kinds: dict[int, tuple[type, int]] = {}
         self._tracked: dict[Any, int] = {}  # namespace key -> kind, for keys holding tensors/modules
         self._tail: frozenset = frozenset()  # the last keys of the namespace at the previous call
         self._namespace_id: int | None = None
@@ -486,10 +488,10 @@ class _BoundTensors:
         return mentioned.union(added)
 
     def _kind(self, cls: type, torch: ModuleType) -> int:
-        kind = self._kinds.get(cls)
-        if kind is None:
-            kind = self._kinds[cls] = _kind(cls, torch)
-        return kind
+        known = self._kinds.get(id(cls))
+        if known is None or known[0] is not cls:
+            known = self._kinds[id(cls)] = (cls, _kind(cls, torch))
+        return known[1]
 
 
 def _kind(cls: type, torch: ModuleType) -> int:
@@ -511,11 +513,17 @@ def _weak(obj: object) -> Any:
 
 
 def _add_storage(tensor: Any, storages: dict[int, int]) -> None:
+    """Count a cpu tensor's storage, read through TensorBase with subclass code off (none of it runs)."""
     try:
-        if tensor.is_meta or not tensor.is_cpu:
-            return
-        storage = tensor.untyped_storage()
-        nbytes, pointer = int(storage.nbytes()), int(storage.data_ptr())
+        torch = sys.modules["torch"]
+        base = torch._C.TensorBase
+        with torch._C.DisableTorchFunctionSubclass():
+            if base.is_meta.__get__(tensor) or not base.is_cpu.__get__(tensor):
+                return
+            if base.layout.__get__(tensor) is not torch.strided:
+                return  # sparse: RSS sees it
+            storage = base.untyped_storage(tensor)
+            nbytes, pointer = int(storage.nbytes()), int(storage.data_ptr())
         if nbytes and pointer:
             storages[pointer] = nbytes
     except Exception:

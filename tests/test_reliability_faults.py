@@ -587,7 +587,9 @@ def test_hostile_objects_are_never_called_by_any_magic_or_the_hook(ip, hostile, 
 
     snap = ip.run_line_magic("gpumem", "-o --all")
     paths = {g.path for g in snap.holders("user")}
-    assert {"h.weights", "by_key[<key #0>]", "in_list[1]", "extra", "closure.__closure__[0][1]",
+    # A dict key that a variable also holds is shown by that variable (`key`), never by its repr;
+    # a closure cell's contents by the attribute a user would type.
+    assert {"h.weights", "by_key[key]", "in_list[1]", "extra", "closure.__closure__[0].cell_contents[1]",
             "err.args[1]"} <= paths
     assert "net.fc.weight" in paths and "net.fc.bias" in paths
     assert snap.held_by("h") == 4096 and snap.held_by("by_key") == 8192
@@ -678,6 +680,19 @@ good = torch.ones(1000)
 no_storage = torch.ones(2000).as_subclass(NoStorage)
 explodes = torch.ones(3000).as_subclass(Explodes)
 bad_grad = torch.ones(4000).as_subclass(BadGrad)
+
+class Wrapper(torch.Tensor):
+    """A wrapper subclass: its storage has no data of its own (the inner tensor holds the bytes)."""
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+    def __init__(self, inner):
+        self.inner = inner
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError("hostile __torch_dispatch__")
+
+wrapped = Wrapper(torch.ones(500))
 '''
 
 
@@ -688,8 +703,11 @@ def test_tensor_subclasses_that_raise_do_not_break_anything(ip, clean_alloc_env)
 
     snap = ip.run_line_magic("gpumem", "-o --all")
     assert snap.held_by("good") == 4000 and snap.held_by("more") == 40
-    assert snap.held_by("no_storage") == 0  # its storage cannot be read: not counted
+    # The engine reads tensors through TensorBase with subclass __torch_function__ off: overrides
+    # never run, so the real bytes behind a raising untyped_storage() or __torch_function__ count.
+    assert snap.held_by("no_storage") == 8000 and snap.held_by("explodes") == 12000
     assert snap.held_by("bad_grad") == 16000  # a raising .grad does not hide the tensor itself
+    assert snap.held_by("wrapped.inner") == 2000 and snap.held_by("wrapped") == 2000  # the wrapper holds none
     assert any("not counted" in n for n in snap.notes)  # and the snapshot says something was left out
     str(snap), snap._repr_html_(), snap.to_json_text()
     freed = ip.run_line_magic("freeall", "")
@@ -704,8 +722,8 @@ def test_an_unreadable_tensor_is_named_as_such(ip) -> None:
     """Finding 5 (fixed in tracker.py): it was counted among the 'meta/fake tensors' in the note."""
     assert run(ip, SUBCLASS_SETUP).success
     snap = ip.run_line_magic("gpumem", "-o")
-    # no_storage raises in untyped_storage(), explodes in every torch function
-    assert any(n.startswith("2 tensors' storage could not be read") for n in snap.notes), snap.notes
+    # The wrapper subclass's storage has no data (its overrides no longer matter: none is called)
+    assert any(n.startswith("1 tensors' storage could not be read") for n in snap.notes), snap.notes
     assert not any("meta/fake" in n for n in snap.notes), snap.notes
 
 

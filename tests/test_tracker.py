@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from oom_magic.holders import attribute
+from oom_magic.holders import attribute, forget_paths
 from oom_magic.roots import Roots
 from oom_magic.tracker import find_tensors, tensor_types
 
@@ -165,21 +165,33 @@ def test_a_row_class_with_a_dict_property_is_never_read_in_bulk():
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_a_scan_pauses_automatic_collection_and_puts_it_back(enabled: bool):
+def test_a_scan_pauses_automatic_collection_and_puts_it_back(enabled: bool, monkeypatch):
     """A scan allocates a record per storage: with the collector on, that would start full collections."""
+    from oom_magic import tracker, walk
+
     during: list[bool] = []
+    # The engine never calls a subclass's methods any more (no user code runs), so the collector's
+    # state is noted by wrapping the engine's own steps: grouping storages and expanding a level.
+    no_subclass_code = tracker._Reader.no_subclass_code
+    expand = walk.Walk._expand
 
-    class Spy(torch.Tensor):
-        def untyped_storage(self):  # the heap pass reads every tensor's storage: note the collector's state
-            during.append(gc.isenabled())
-            return super().untyped_storage()
+    def noting_grouping(self):
+        during.append(gc.isenabled())
+        return no_subclass_code(self)
 
-    spy = torch.ones(3).as_subclass(Spy)
+    def noting_expand(self, level):
+        during.append(gc.isenabled())
+        return expand(self, level)
+
+    monkeypatch.setattr(tracker._Reader, "no_subclass_code", noting_grouping)
+    monkeypatch.setattr(walk.Walk, "_expand", noting_expand)
+    spy = [torch.ones(3)]
+    forget_paths()  # a path remembered from an earlier scan would need no walk
     (gc.enable if enabled else gc.disable)()
     try:
         storages, paths = _scan(spy=spy)
         after = gc.isenabled()
     finally:
         gc.enable()
-    assert during and not any(during) and after is enabled
-    assert paths[_key(spy)] == "spy"
+    assert len(during) >= 2 and not any(during) and after is enabled
+    assert paths[_key(spy[0])] == "spy[0]"

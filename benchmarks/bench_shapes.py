@@ -1,0 +1,180 @@
+"""Time the heap engine on every heap shape of issue 12 against the floor, the naive scan and memlab.
+
+One fresh process per heap (``heaps.build_shape``: ~800k gc objects, 1k or 100k tensors placed in
+that shape's data). In it, round-robin, automatic gc off for all:
+
+- floor: ``gc.get_objects()``;
+- naive: ``[o for o in gc.get_objects() if torch.is_tensor(o)]`` plus a storage read per tensor;
+- memlab: pytorch_memlab's ``MemReporter().report()`` (printed table to /dev/null), when importable;
+- cold: the first ``oom_magic.snapshot("cpu")`` of the process (a walk, nothing remembered);
+- steady: later snapshots, the data unchanged (remembered paths re-checked, walks only for the rest);
+- hook: the after-cell hook's quick view at its default 50 ms budget (``heap_scan=False``).
+
+Each snapshot's name for the spot-checked tensor is compared with the path a user would type.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# (shape, tensors): the 1k-tensor heaps for every shape, 100k tensors for a few.
+PLAN = tuple((shape, 1_000) for shape in
+             ("slots", "attrs", "dataclass", "namedtuple", "nested_dicts", "tree", "sets", "deque", "numpy",
+              "pandas", "model_adamw", "kv_cache", "module_list")) + \
+       tuple((shape, 100_000) for shape in ("slots", "nested_dicts", "kv_cache"))
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - started, value
+
+
+def measure(shape: str, tensors: int, repeat: int = 3) -> dict[str, Any]:
+    """Build one heap in this process and time every contender on it (call in a fresh process)."""
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    import warnings
+
+    warnings.simplefilter("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import heaps
+    import torch
+
+    import oom_magic
+    from oom_magic.roots import collect_roots
+
+    namespace: dict[str, Any] = {}
+    started = time.perf_counter()
+    spot_path, spot = heaps.build_shape(shape, tensors, namespace)
+    build = time.perf_counter() - started
+    gc.collect()
+    gc.disable()
+    objects = len(gc.get_objects())
+    spot_key = torch._C._storage_address(spot)
+    del spot
+
+    def snap() -> Any:
+        return oom_magic.snapshot("cpu", roots=collect_roots(namespace=namespace))
+
+    def spot_name(s: Any) -> str | None:
+        return next((r.holder_path for r in s.storages if r.key == spot_key), None)
+
+    cold, first = _timed(snap)
+    cold_name, cold_complete = spot_name(first), first.attribution_complete
+    del first
+    contenders: dict[str, Callable[[], Any]] = {
+        "floor": lambda: len(gc.get_objects()),
+        "naive": lambda: len({t.untyped_storage()._cdata for t in gc.get_objects() if torch.is_tensor(t)}),
+        "steady": snap,
+    }
+    try:
+        with contextlib.redirect_stderr(open(os.devnull, "w")), contextlib.redirect_stdout(open(os.devnull, "w")):
+            from pytorch_memlab import MemReporter  # noqa: F401
+        contenders["memlab"] = _memlab
+    except Exception as exc:
+        memlab_error = f"{type(exc).__name__}: {exc}"
+    else:
+        memlab_error = None
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    steady_name = None
+    for _ in range(repeat):
+        for name, fn in contenders.items():
+            seconds, value = _timed(fn)
+            times[name].append(seconds)
+            if name == "steady":
+                steady_name = spot_name(value)
+            del value
+    hook, quick = _timed(lambda: oom_magic.snapshot("cpu", roots=collect_roots(namespace=namespace),
+                                                    heap_scan=False, budget_seconds=0.05))
+    hook_name = spot_name(quick)
+    del quick
+    best = {name: min(ts) for name, ts in times.items()}
+    floor = best["floor"]
+    return {
+        "shape": shape, "tensors": tensors, "objects": objects, "build_s": round(build, 1),
+        "floor_ms": floor * 1000, "cold_ms": cold * 1000, "hook_ms": hook * 1000,
+        "best_ms": {k: v * 1000 for k, v in best.items()}, "all_ms": {k: [t * 1000 for t in v] for k, v in times.items()},
+        "x_floor": {k: v / floor for k, v in best.items()} | {"cold": cold / floor},
+        "spot": spot_path, "cold_name": cold_name, "steady_name": steady_name, "hook_name": hook_name,
+        "cold_complete": cold_complete, "memlab_error": memlab_error,
+    }
+
+
+def _memlab() -> int:
+    from pytorch_memlab import MemReporter
+
+    reporter = MemReporter()
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        reporter.report()
+    return sum(len(stats) for stats in reporter.device_tensor_stat.values())
+
+
+def run(plan: tuple[tuple[str, int], ...] = PLAN, log: Callable[[str], None] = print,
+        timeout: float = 240) -> dict[str, Any]:
+    """Every heap of ``plan``, each in its own process; a row per heap (or its error)."""
+    rows = []
+    for shape, tensors in plan:
+        code = (f"import json, sys; sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]\n"
+                f"import bench_shapes\nprint('ROW ' + json.dumps(bench_shapes.measure({shape!r}, {tensors})))")
+        started = time.perf_counter()
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                                  cwd=ROOT)
+            line = next((ln for ln in done.stdout.splitlines() if ln.startswith("ROW ")), None)
+            if line is None:
+                tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+                row = {"shape": shape, "tensors": tensors, "error": tail[0]}
+            else:
+                row = json.loads(line[4:])
+        except subprocess.TimeoutExpired:
+            row = {"shape": shape, "tensors": tensors, "error": f"timed out after {timeout:.0f} s"}
+        rows.append(row)
+        log(f"  {shape} / {tensors:,} tensors: " + (row.get("error") or _summary(row))
+            + f" ({time.perf_counter() - started:.0f} s)")
+    return {"rows": rows}
+
+
+def _summary(row: dict[str, Any]) -> str:
+    x = row["x_floor"]
+    ok = "names ok" if row["cold_name"] == row["spot"] == row["steady_name"] else (
+        f"names: want {row['spot']}, cold {row['cold_name']}, steady {row['steady_name']}")
+    memlab = f", memlab {x['memlab']:.1f}x" if "memlab" in x else ""
+    return (f"floor {row['floor_ms']:.0f} ms, steady {x['steady']:.1f}x, cold {x['cold']:.1f}x, "
+            f"naive {x['naive']:.1f}x{memlab}, hook {row['hook_ms']:.0f} ms; {ok}")
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    """The RESULTS.md section for these heaps."""
+    header = ["heap shape", "tensors", "gc objects", "floor", "steady × floor", "cold × floor", "naive × floor",
+              "memlab × floor", "hook (quick view)", "spot-checked name (cold / steady)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in result.get("rows", []):
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['tensors']:,} | | | | | | | | error: {row['error']} |")
+            continue
+        x = row["x_floor"]
+        named = "✓" if row["cold_name"] == row["spot"] == row["steady_name"] else \
+            f"✗ want `{row['spot']}`: `{row['cold_name']}` / `{row['steady_name']}`"
+        lines.append(f"| {row['shape']} | {row['tensors']:,} | {row['objects']:,} | {row['floor_ms']:.0f} ms | "
+                     f"{x['steady']:.1f}× | {x['cold']:.1f}× | {x['naive']:.1f}× | "
+                     f"{(format(x['memlab'], '.1f') + '×') if 'memlab' in x else 'n/a'} | {row['hook_ms']:.0f} ms | "
+                     f"{named} `{row['spot']}` |")
+    return lines
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        plan = tuple((a.split(":")[0], int(a.split(":")[1]) if ":" in a else 1_000) for a in sys.argv[1:])
+    else:
+        plan = PLAN
+    result = run(plan)
+    print("\n".join(markdown(result)))
