@@ -193,6 +193,9 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     if live.unreadable:
         notes.append(f"{live.unreadable} tensors' storage could not be read and is not counted "
                      "(a wrapper subclass holds none of its own; its inner tensors are counted)")
+    # How to free what a path alone does not say how to (an lru cache: `cached.cache_clear()`), once each.
+    hints = dict.fromkeys(h.hint for h in holders.values() if h.hint)
+    notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
                     live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan,

@@ -232,3 +232,16 @@ def test_naming_makes_no_instance_dicts():
     # names come from the attributes the class's __init__ assigns, read without making one.
     gc.collect()
     assert sum(1 for o in gc.get_objects() if type(o) is dict) - dicts < 20
+
+
+def test_gpumem_tells_how_to_free_an_lru_cache(ip):
+    """In a real shell: the lru cache's tensor is named by the function and the report says how to free it."""
+    ip.run_cell("import functools, torch\n"
+                "@functools.lru_cache(maxsize=None)\n"
+                "def embed(n):\n"
+                "    return torch.ones(n, 1000)\n"
+                "embed(300)", store_history=True)
+    snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+    assert snap.held_by("embed.cache") == 300 * 1000 * 4
+    assert "to free what embed's cache holds: embed.cache_clear()" in snap.notes
+    assert "embed.cache_clear()" in str(snap)
