@@ -10,6 +10,7 @@ from ._torch import loaded_torch
 from .devices import DeviceReading, read_device, resolve_device
 from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, attribute, attribute_reachable
 from .jupyter_kernels import KernelInfo
+from .mapped import mapped_bytes
 from .nvml import Nvml
 from .roots import Roots, collect_roots
 from .tracker import StorageRecord, find_tensors, pins_nothing, tensor_types
@@ -46,6 +47,9 @@ class Snapshot:
     heap_scan: bool = True  # False: the quick view (no heap pass; garbage and library-held not found)
     # Other processes that are kernels of this user's Jupyter servers: (pid, notebook and how to stop it).
     kernels: tuple[tuple[int, KernelInfo], ...] = ()
+    # cpu: bytes of your variables' storages that are views of a memory-mapped file (safetensors
+    # weights in their stored dtype): not resident until read; None where not read (not Linux, CUDA).
+    user_mapped_bytes: int | None = None
 
     # Figures the user asks for by name.
     def kind_bytes(self, kind: str) -> int:
@@ -171,7 +175,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     try:
         holders = attribution.holders
         storages = tuple(
-            StorageRecord(r.key, r.device, r.bytes, r.dtype, r.shape, r.tensor_count, h.kind, h.path)
+            StorageRecord(r.key, r.device, r.bytes, r.dtype, r.shape, r.tensor_count, h.kind, h.path, r.address)
             if (h := holders.get(key)) else r
             for key, r in live.storages.items()
         )
@@ -196,10 +200,18 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     # How to free what a path alone does not say how to (an lru cache: `cached.cache_clear()`), once each.
     hints = dict.fromkeys(h.hint for h in holders.values() if h.hint)
     notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
+    user_mapped = None
+    if where == "cpu":
+        from .render.units import format_bytes  # a note's figure (records format nothing else)
+
+        user_mapped = mapped_bytes((r.address, r.bytes) for r in storages if r.holder_kind == USER and r.address)
+        if user_mapped:
+            notes.append(f"{format_bytes(user_mapped)} of user is mapped from files (weights loaded in their "
+                         "stored dtype): resident only once read, and deleting them gives no resident memory back")
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
                     live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan,
-                    kernels=kernels)
+                    kernels=kernels, user_mapped_bytes=user_mapped)
 
 
 # Seconds each Jupyter server may take to name its kernels (at most one second in all per server).

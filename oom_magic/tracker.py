@@ -35,6 +35,7 @@ class StorageRecord:
     tensor_count: int
     holder_kind: str = "other"  # user | output-cache | traceback | garbage | other
     holder_path: str | None = None
+    address: int = 0  # the storage's data pointer (0: not read): tells file-mapped bytes on the cpu
 
 
 @dataclass
@@ -139,7 +140,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
     bare = frozenset(map(id, storage_types(torch))) if torch is not None else frozenset()
     kept: list[Any] = []
     storage_of: dict[int, int] = {}
-    # storage key -> [device, bytes, tensor naming it, tensor count, that tensor's shape or None];
+    # storage key -> [device, bytes, tensor naming it, tensor count, that tensor's shape or None, address];
     # shapes and dtypes are read once per storage at the end, not once per tensor.
     groups: dict[int, list[Any]] = {}
     device_names: dict[Any, str] = {}
@@ -186,7 +187,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
             key = parts[-1][0]
             kept.append(tensor)
             storage_of[id(tensor)] = key
-            groups[key] = [where, nbytes, tensor, 1, reader.shape(tensor)]
+            groups[key] = [where, nbytes, tensor, 1, reader.shape(tensor), 0]
             for part_key, _ in parts[:-1]:
                 claimed[part_key] = key
         sparse.clear()
@@ -204,14 +205,14 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
                 continue
             kept.append(storage)
             storage_of[id(storage)] = key
-            groups[key] = [where, nbytes, None, 0, (nbytes,)]
+            groups[key] = [where, nbytes, None, 0, (nbytes,), 0]
         bare_storages.clear()
         dtype_names: dict[Any, str] = {}
         storages = {
             key: StorageRecord(key, where, nbytes,
                                _dtype_name(named, dtype_names, reader) if named is not None else "uint8",
-                               shape if shape is not None else reader.shape(named), count)
-            for key, (where, nbytes, named, count, shape) in groups.items()
+                               shape if shape is not None else reader.shape(named), count, address=address)
+            for key, (where, nbytes, named, count, shape, address) in groups.items()
         }
     groups.clear()
     return LiveTensors(kept, storage_of, storages, objects_scanned, counts[0], counts[1])
@@ -237,7 +238,7 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
                     empty.add(key)
                     counts[0] += 1
                     continue
-                reader.data_ptr(storage)  # a wrapper subclass's storage has none: it raises
+                address = reader.data_ptr(storage)  # a wrapper subclass's storage has none: it raises
                 del storage
                 where = _device_name(reader.device(tensor), device_names)
             else:
@@ -251,7 +252,7 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
         kept.append(tensor)
         storage_of[id(tensor)] = key
         if group is None:
-            groups[key] = [where, nbytes, tensor, 1, None]
+            groups[key] = [where, nbytes, tensor, 1, None, address]
         else:
             group[3] += 1
             # Prefer the largest view's shape so the table shows the weight, not a slice of it.

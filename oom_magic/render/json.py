@@ -34,6 +34,7 @@ def snapshot_dict(snap: Snapshot) -> dict[str, Any]:
         "other_bytes": snap.other_bytes,
         "tracked_bytes": snap.tracked_bytes,
         "untracked_bytes": snap.untracked_bytes,
+        "user_mapped_bytes": snap.user_mapped_bytes,  # cpu: of user, views of a memory-mapped file
         "segments": {s.key: s.bytes for s in memory_segments(snap)},
         "holders": record_dict(snap.holders()),
         "storages": record_dict(snap.storages),
