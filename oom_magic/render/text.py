@@ -99,8 +99,9 @@ def free_report_text(report: FreeReport) -> str:
                  + (" (" + ", ".join(f"{k} {format_bytes(b)}" for k, b in report.freed_by_kind if b) + ")"
                     if any(b for _, b in report.freed_by_kind) else ""))
     back = report.resident_freed
-    if back is not None and report.freed_bytes and back < report.freed_bytes:
-        # cpu: weights mapped from a safetensors file were never resident; say what really came back.
+    if back is not None and report.freed_bytes and back < report.freed_bytes - max(report.freed_bytes // 20, 1 << 20):
+        # cpu: weights mapped from a safetensors file were never resident; say what really came back
+        # (only when it differs by more than the allocator's usual slack: the next line has both figures).
         lines.append(f"resident memory that came back: {format_bytes(max(back, 0))} of those "
                      f"{format_bytes(report.freed_bytes)} (the rest was mapped from a file, or the C allocator keeps it)")
     for held in report.still_held:
