@@ -10,6 +10,7 @@ index and value storages; an ``UntypedStorage`` held on its own counts as one.
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 import gc
 import sys
 from contextlib import contextmanager, nullcontext
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from itertools import compress
 from types import ModuleType
 from functools import wraps
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
@@ -195,17 +196,24 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         dense.clear()
         # A storage object counts only for a storage no tensor views (one held on its own); the
         # ones a tensor's storage() call left behind are not holders.
+        # A storage sliced into others (safetensors maps a whole file, then views each tensor's
+        # range of it) counts only the bytes no counted storage already covers: each byte once.
+        counted = _Ranges((g[5], g[1], g[0]) for g in groups.values() if g[5]) if bare_storages else None
         for storage in bare_storages:
             try:
                 key, nbytes, where = reader.bare_storage(storage, device_names)
+                address = reader.data_ptr(storage) if nbytes else 0
             except Exception:
                 counts[1] += 1
                 continue
             if key in groups or key in claimed or not nbytes or (device is not None and where != device):
                 continue
+            nbytes -= counted.overlap(address, nbytes, where) if address and counted is not None else 0
+            if nbytes <= 0:
+                continue
             kept.append(storage)
             storage_of[id(storage)] = key
-            groups[key] = [where, nbytes, None, 0, (nbytes,), 0]
+            groups[key] = [where, nbytes, None, 0, (nbytes,), address]
         bare_storages.clear()
         dtype_names: dict[Any, str] = {}
         storages = {
@@ -262,6 +270,30 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
                 group[2], group[4] = tensor, shape
             else:
                 group[4] = best
+
+
+class _Ranges:
+    """Address ranges of storages already counted, per device: how much of a range they cover."""
+
+    def __init__(self, ranges: Iterable[tuple[int, int, str]]) -> None:
+        self._by_device: dict[str, tuple[list[int], list[int]]] = {}
+        for address, nbytes, where in sorted(ranges):
+            starts, ends = self._by_device.setdefault(where, ([], []))
+            starts.append(address)
+            ends.append(address + nbytes)
+
+    def overlap(self, address: int, nbytes: int, where: str) -> int:
+        starts, ends = self._by_device.get(where, ((), ()))
+        end, covered, reach = address + nbytes, 0, address
+        # Ranges are sorted by start; `reach` skips bytes two counted views share.
+        for i in range(max(bisect_right(starts, address) - 1, 0), len(starts)):
+            if starts[i] >= end:
+                break
+            lo, hi = max(starts[i], reach), min(ends[i], end)
+            if hi > lo:
+                covered += hi - lo
+                reach = hi
+        return covered
 
 
 class _Reader:

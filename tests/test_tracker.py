@@ -195,3 +195,25 @@ def test_a_scan_pauses_automatic_collection_and_puts_it_back(enabled: bool, monk
         gc.enable()
     assert len(during) >= 2 and not any(during) and after is enabled
     assert paths[_key(spy[0])] == "spy[0]"
+
+
+def test_a_mapped_file_and_the_tensors_viewing_it_count_each_byte_once(tmp_path):
+    """safetensors maps the whole file as one storage and views each tensor's range of it."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(1000, 1000), "b": torch.ones(500, 1000)}, str(path))
+    size = path.stat().st_size
+    staged = load_file(str(path))
+    start = min(t.untyped_storage().data_ptr() for t in staged.values()) - (size - 6_000_000)  # the header
+
+    def in_file() -> list[int]:
+        live = find_tensors(torch, "cpu")
+        try:
+            return sorted(r.bytes for r in live.storages.values() if start <= r.address < start + size)
+        finally:
+            live.release()
+
+    assert in_file() == [size - 6_000_000, 2_000_000, 4_000_000]  # the file once: header, b, a
+    del staged["a"]  # the file's storage alone now holds a's bytes
+    assert in_file() == [2_000_000, size - 2_000_000]
