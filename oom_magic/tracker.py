@@ -196,19 +196,25 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         dense.clear()
         # A storage object counts only for a storage no tensor views (one held on its own); the
         # ones a tensor's storage() call left behind are not holders.
-        # A storage sliced into others (safetensors maps a whole file, then views each tensor's
-        # range of it) counts only the bytes no counted storage already covers: each byte once.
+        # A storage sliced into others counts only the bytes no counted storage covers: each byte
+        # once. On the cpu such a base is a file mapping (safetensors maps the whole file, then
+        # views each tensor's range) that the views keep alive from C++: its other bytes are file
+        # pages, not memory anything uses, and freeing them is freeing the views: not counted.
         counted = _Ranges((g[5], g[1], g[0]) for g in groups.values() if g[5]) if bare_storages else None
         for storage in bare_storages:
             try:
                 key, nbytes, where = reader.bare_storage(storage, device_names)
-                address = reader.data_ptr(storage) if nbytes else 0
             except Exception:
                 counts[1] += 1
                 continue
+            try:
+                address = reader.data_ptr(storage) if nbytes else 0
+            except Exception:
+                continue  # no data of its own (a wrapper subclass's storage): no bytes to count
             if key in groups or key in claimed or not nbytes or (device is not None and where != device):
                 continue
-            nbytes -= counted.overlap(address, nbytes, where) if address and counted is not None else 0
+            covered = counted.overlap(address, nbytes, where) if address and counted is not None else 0
+            nbytes = 0 if covered and where == "cpu" else nbytes - covered
             if nbytes <= 0:
                 continue
             kept.append(storage)
