@@ -51,6 +51,9 @@ _ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_H
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*(\w+)")
 _HISTORY_ENTRIES = 100_000
 _CO_OPTIMIZED = 0x1  # inspect.CO_OPTIMIZED: a function frame (its locals are its own)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE: code compiled with a top-level await
+# Python 3.10 has no exception groups: nothing there is one.
+_EXCEPTION_GROUP: type | None = getattr(__import__("builtins"), "BaseExceptionGroup", None)
 
 
 # --------------------------------------------------------------------------- records
@@ -523,7 +526,7 @@ def _clear_frames(exc: BaseException) -> int:
         seen.add(id(item))
         if isinstance(item, BaseException):
             stack += [item.__traceback__, item.__cause__, item.__context__]
-            if isinstance(item, BaseExceptionGroup):
+            if _EXCEPTION_GROUP is not None and isinstance(item, _EXCEPTION_GROUP):
                 stack += list(item.exceptions)
             continue
         tb = item
@@ -593,6 +596,35 @@ class _Start:
     started: float
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's message; '' when its ``__str__`` itself raises."""
+    try:
+        return (str(exc).strip().splitlines() or [""])[0]
+    except Exception:
+        return ""
+
+
+def _message(exc: BaseException) -> str:
+    """An error's message; '' when its ``__str__`` itself raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
+
+
+def _handled_by_guard(exc: BaseException) -> bool:
+    """Whether this is a guard's own short exception (an inner guard already diagnosed the OOM)."""
+    try:
+        return "oom_report" in object.__getattribute__(exc, "__dict__")
+    except Exception:
+        return False
+
+
+def _needs_forensics(exc: BaseException) -> bool:
+    """An out-of-memory error no guard has handled yet."""
+    return is_out_of_memory(exc) and not _handled_by_guard(exc)
+
+
 def _default_traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("oom_magic."):
@@ -645,6 +677,7 @@ class GuardedLoad:
         self.value: Any = None
         self._begun = False
         self._ended = False
+        self._used = False
 
     # ----------------------------------------------------------------- the three ways in
     def begin(self) -> None:
@@ -653,13 +686,21 @@ class GuardedLoad:
         Called by ``run``, ``with`` and iteration; call it yourself to separate bad-input errors
         (OomMagicError: an unknown device, a --strict refusal) from errors of the load itself.
         """
+        if self._used:
+            raise OomMagicError("this guard has already run a load: a guard runs once, so call "
+                                "guard_load(...) again for another load")
         if not self._begun:
             self._begin()
+
+    def _claim(self) -> None:
+        """Refuse a second use: a finished guard would otherwise run the load unguarded."""
+        self.begin()
+        self._used = True
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` guarded, retrying as allowed; return its result."""
         __tracebackhide__ = True
-        self.begin()
+        self._claim()
         attempts: list[Attempt] = []
         try:
             for number in range(1, self.retry + 2):
@@ -667,7 +708,7 @@ class GuardedLoad:
                 try:
                     value = fn(*args, **kwargs)
                 except BaseException as exc:
-                    if not is_out_of_memory(exc):
+                    if not _needs_forensics(exc):
                         self._abort(start, exc, attempts)
                         raise
                     attempts.append(self._failed(start, exc, number))
@@ -687,7 +728,7 @@ class GuardedLoad:
         if self.retry:
             raise OomMagicError("a with-block runs once, so it cannot retry: use `for attempt in "
                                 "guard_load(retry=N): with attempt: ...` or guard_load(retry=N).run(fn)")
-        self.begin()
+        self._claim()
         try:
             self._with_start = self._start_attempt(1)
         except BaseException:
@@ -698,19 +739,22 @@ class GuardedLoad:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         __tracebackhide__ = True
         start = self._with_start
-        if exc is None:
-            self._end([self._succeeded(start, 1)])
-            return False
-        if not is_out_of_memory(exc):
-            self._abort(start, exc, [])
-            return False
-        attempt = self._failed(start, exc, 1)
-        del exc, tb
-        self._end([attempt])  # raises the short exception unless raise_on_oom is False
-        return True  # printed and given back: the long error is not raised again
+        try:
+            if exc is None:
+                self._end([self._succeeded(start, 1)])
+                return False
+            if not _needs_forensics(exc):
+                self._abort(start, exc, [])
+                return False
+            attempt = self._failed(start, exc, 1)
+            del exc, tb
+            self._end([attempt])  # raises the short exception unless raise_on_oom is False
+            return True  # printed and given back: the long error is not raised again
+        finally:
+            self._release_cap()  # also when Ctrl-C lands in the forensics
 
     def __iter__(self) -> Iterator[_AttemptContext]:
-        self.begin()
+        self._claim()
         attempts: list[Attempt] = []
         try:
             for number in range(1, self.retry + 2):
@@ -931,7 +975,7 @@ class GuardedLoad:
         """A non-OOM error: stop recording, keep a report, and let the error go on as usual."""
         seconds = time.perf_counter() - start.started
         self._stop_snapshot()
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = _first_line(exc)
         attempts = attempts + [Attempt(len(attempts) + 1, "error", seconds, f"{type(exc).__name__}: {first}")]
         after = self._read()
         self._release_cap()
@@ -948,9 +992,9 @@ class GuardedLoad:
         self.torch = self.torch or loaded_torch()
         text = self.format_traceback(exc)
         self._say(text.rstrip("\n"), always=True)
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = _first_line(exc)
         self._error_type = type(exc)
-        message = parse_oom_message(str(exc)) or parse_oom_message(text)
+        message = parse_oom_message(_message(exc)) or parse_oom_message(text)
         at_failure = self._read()
         at_failure_storages = _storage_bytes(self.torch, self.device)
         snapshot_file = self._dump_snapshot()
@@ -1198,16 +1242,61 @@ def compile_cell(shell: Any, cell: str) -> tuple[Callable[[], Any], str]:
         last = ast.Expression(tree.body.pop().value)
         ast.fix_missing_locations(last)
     filename = shell.compile.cache(source, _cell_number(shell), raw_code=cell)
-    code = shell.compile(tree, filename, "exec")
-    last_code = shell.compile(last, filename, "eval") if last is not None else None
+    # Top-level await is allowed as in a plain cell (unless %autoawait is off): such code
+    # evaluates to a coroutine, run below.
+    flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0) if getattr(shell, "autoawait", False) else 0
+    with shell.compile.extra_flags(flags):
+        code = shell.compile(tree, filename, "exec")
+        last_code = shell.compile(last, filename, "eval") if last is not None else None
     glob, local = shell.user_global_ns, shell.user_ns
 
     def body() -> Any:
         __tracebackhide__ = True
-        exec(code, glob, local)
-        return eval(last_code, glob, local) if last_code is not None else None
+        if code.co_flags & _CO_COROUTINE:
+            _run_coroutine(shell, eval(code, glob, local))
+        else:
+            exec(code, glob, local)
+        if last_code is None:
+            return None
+        value = eval(last_code, glob, local)
+        return _run_coroutine(shell, value) if last_code.co_flags & _CO_COROUTINE else value
 
     return body, source
+
+
+def _run_coroutine(shell: Any, coro: Any) -> Any:
+    """Run a cell's top-level-await coroutine as IPython would run the plain cell.
+
+    IPython's own runner (``shell.loop_runner``, which ``%autoawait`` sets) when no event loop runs
+    in this thread; in a kernel, whose loop is running this very cell, the runner gets a thread of
+    its own, since a second loop cannot run inside the first.
+    """
+    import asyncio
+    import threading
+
+    runner = getattr(shell, "loop_runner", None) or asyncio.run
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return runner(coro)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = runner(coro)
+        except BaseException as exc:  # handed to the cell's thread, raised there
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="oom-magic top-level await", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        error = outcome.pop("error")
+        try:
+            raise error
+        finally:
+            del error
+    return outcome.get("value")
 
 
 def _delta(before: DeviceReading, after: DeviceReading, device: str) -> int | None:
@@ -1235,7 +1324,7 @@ class _AttemptContext:
         if exc is None:
             self.attempt = self.guard._succeeded(self._start, self.number)
             return False
-        if not is_out_of_memory(exc):
+        if not _needs_forensics(exc):
             self.guard._abort(self._start, exc, [])
             return False
         self.attempt = self.guard._failed(self._start, exc, self.number)
