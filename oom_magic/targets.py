@@ -240,9 +240,10 @@ def capped(torch_cuda: Any, device_index: int, fraction: float) -> Iterator[Cap]
         raise OomMagicError(f"memory fraction must be between 0 and 1, not {fraction!r}")
     previous = _current_fraction(torch_cuda, device_index)
     restore_to = 1.0 if previous is None else previous
-    torch_cuda.set_per_process_memory_fraction(float(fraction), device_index)
     cap = Cap(device_index=device_index, fraction=float(fraction), previous=previous, restore_to=restore_to)
     try:
+        # Inside the try: a Ctrl-C landing right after the fraction is set still puts it back.
+        torch_cuda.set_per_process_memory_fraction(float(fraction), device_index)
         yield cap
     except BaseException as exc:
         try:
