@@ -114,6 +114,8 @@ def size_from_config(config: Path, declared: str | None) -> list[tuple[str, str,
 def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
     import psutil
 
+    from .render.units import format_bytes
+
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(config.parent), declared or ""],
@@ -128,7 +130,7 @@ def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple
                 rss = 0
             if rss > MEMORY_LIMIT:
                 raise OomMagicError(f"{config.name}: building the model it describes took more than "
-                                    f"{MEMORY_LIMIT >> 30} GiB of memory; stopped, not sized")
+                                    f"{format_bytes(MEMORY_LIMIT)} of memory; stopped, not sized")
             if time.monotonic() > deadline:
                 raise OomMagicError(f"{config.name}: building the model it describes took longer than "
                                     f"{TIME_LIMIT:.0f} s; stopped, not sized")

@@ -39,12 +39,12 @@ from .errors import OomMagicError
 from .oom import OOMMessage, is_out_of_memory, parse_oom_message
 from .preflight import Preflight, cuda_process_cap, parse_headroom, usable_ram
 from .roots import Roots, collect_roots, current_shell, is_user_name
-from .targets import Cap, Target, capped, memory_fraction_for, parse_target
+from .targets import Cap, Target, cap_released, capped, hold_cap, memory_fraction_for, parse_target
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["AllocatorSetting", "Attempt", "GiveBack", "GuardRefused", "GuardReport", "GuardedLoad", "PeakReading",
+__all__ = ["AllocatorSetting", "Attempt", "GiveBack", "GuardRefused", "GuardReport", "GuardUsedUp", "GuardedLoad", "PeakReading",
            "Rehearsal", "VariableUse", "allocator_setting", "apply_allocator_setting", "compile_cell", "guard_load", "largest_free_block"]
 
 _ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
@@ -246,6 +246,13 @@ class GuardReport:
         from .render.guard import guard_report_html
 
         return guard_report_html(self)
+
+
+class GuardUsedUp(OomMagicError):
+    """A finished guard asked to run again (it would run the load unguarded): one line in IPython."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 class GuardRefused(OomMagicError):
@@ -687,8 +694,8 @@ class GuardedLoad:
         (OomMagicError: an unknown device, a --strict refusal) from errors of the load itself.
         """
         if self._used:
-            raise OomMagicError("this guard has already run a load: a guard runs once, so call "
-                                "guard_load(...) again for another load")
+            raise GuardUsedUp("this guard has already run a load: a guard runs once, so call "
+                              "guard_load(...) again for another load")
         if not self._begun:
             self._begin()
 
@@ -883,21 +890,34 @@ class GuardedLoad:
             self._say(rehearsal_line(self.rehearsal), always=True)
             return
         self._cap_exit = lambda: manager.__exit__(None, None, None)
+        hold_cap(self, self._release_cap)  # put back after the cell even if a Ctrl-C skips our finally
         self.rehearsal = replace(rehearsal, cap=cap)
 
     def _release_cap(self) -> None:
         """Put the previous memory fraction back (once); a failed restore becomes a note, not an error."""
-        release, self._cap_exit = self._cap_exit, None
+        release = self._cap_exit
         if release is None or self.rehearsal is None:
             return
         try:
             release()
+        except KeyboardInterrupt:  # a Ctrl-C landed in the restore itself: finish it, then go on
+            self._cap_exit = None
+            cap_released(self)
+            cap = self.rehearsal.cap
+            if cap is not None and self.torch is not None:
+                self.torch.cuda.set_per_process_memory_fraction(cap.restore_to, cap.device_index)
+                self.rehearsal = replace(self.rehearsal, restored=True)
+            raise
         except Exception as exc:
+            self._cap_exit = None
+            cap_released(self)
             cap = self.rehearsal.cap
             where = f"torch.cuda.set_per_process_memory_fraction({cap.restore_to if cap else 1.0}, {cap.device_index if cap else 0})"
             self.rehearsal = replace(self.rehearsal, restored=False,
                                      error=f"could not put the previous fraction back ({exc}): run {where}")
             return
+        self._cap_exit = None
+        cap_released(self)
         self.rehearsal = replace(self.rehearsal, restored=True)
 
     def _resolve_device(self) -> str:
