@@ -216,7 +216,7 @@ def test_a_path_that_is_a_looping_symlink_says_so(tmp_path: Path) -> None:
 def test_a_checkpoint_folder_named_with_a_newline_forges_no_line(ip, tmp_path: Path, capsys) -> None:
     folder = tmp_path / f"ckpt\n{FORGED}\x1b[2K\u2028"
     write_safetensors(folder / "model.safetensors")
-    cell = f"from safetensors.torch import load_file\nif False:\n    sd = load_file({str(folder / 'model.safetensors')!r})"
+    cell = f"if False:\n    from safetensors.torch import load_file\n    sd = load_file({str(folder / 'model.safetensors')!r})"
     ip.run_cell_magic("guardload", "", cell)
     preflight = preflight_check(cell, ip.user_ns, device="cpu")
     for text in (capsys.readouterr().out, str(preflight)):
