@@ -242,8 +242,11 @@ def test_config_only_sizing_counts_the_model_without_importing_torch_here(tmp_pa
 # --------------------------------------------------------------------------- a real kernel
 
 
-def test_gpumem_serialises_in_a_real_kernel_with_a_lone_surrogate_name(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real python3 kernel with the extension loaded; yields run(code) -> (status, outputs)."""
     manager = pytest.importorskip("jupyter_client.manager")
+    tmp_path = tmp_path_factory.mktemp("kernel")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "CUDA_VISIBLE"))}
     env.update(MPLBACKEND="Agg", PYTHONPATH=str(Path(__file__).parents[1]), IPYTHONDIR=str(tmp_path / ".ipython"))
     km = manager.KernelManager(kernel_name="python3")
@@ -263,17 +266,29 @@ def test_gpumem_serialises_in_a_real_kernel_with_a_lone_surrogate_name(tmp_path:
             reply = kc.execute_interactive(code, timeout=180, output_hook=hook)
             return reply["content"]["status"], outputs
 
-        status, out = run("%load_ext oom_magic\nimport torch\nclass O: pass\nobj = O()\n"
-                          "obj.__dict__['\\ud800x\\n'] = torch.ones(100_000)")
-        assert status == "ok", out
-        status, out = run("%gpumem")  # was: UnicodeEncodeError while serialising the output
-        assert status == "ok", out
-        data = next(o["data"] for o in out if "data" in o)
-        assert "obj.\\ud800x" in data["text/plain"] and "obj.\\ud800x" in data["text/html"]
-        status, out = run("obj.__dict__['\\udc80y'] = torch.ones(6_000_000)")  # the after-cell widget shows
-        assert status == "ok" and any("text/html" in o.get("data", {}) for o in out), out
-        status, out = run("%gpumem --json")
-        assert status == "ok" and json.loads(next(o["data"] for o in out if "data" in o)["text/plain"])
+        assert run("%load_ext oom_magic\nimport torch, asyncio")[0] == "ok"
+        yield run
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_gpumem_serialises_in_a_real_kernel_with_a_lone_surrogate_name(kernel: Any) -> None:
+    run = kernel
+    status, out = run("class O: pass\nobj = O()\nobj.__dict__['\\ud800x\\n'] = torch.ones(100_000)")
+    assert status == "ok", out
+    status, out = run("%gpumem")  # was: UnicodeEncodeError while serialising the output
+    assert status == "ok", out
+    data = next(o["data"] for o in out if "data" in o)
+    assert "obj.\\ud800x" in data["text/plain"] and "obj.\\ud800x" in data["text/html"]
+    status, out = run("obj.__dict__['\\udc80y'] = torch.ones(6_000_000)")  # the after-cell widget shows
+    assert status == "ok" and any("text/html" in o.get("data", {}) for o in out), out
+    status, out = run("%gpumem --json")
+    assert status == "ok" and json.loads(next(o["data"] for o in out if "data" in o)["text/plain"])
+
+
+def test_top_level_await_in_a_guarded_cell_runs_in_a_real_kernel(kernel: Any) -> None:
+    """In a kernel the cell itself runs on the kernel's event loop (the shell test has none)."""
+    status, out = kernel("%%guardload -q\nawait asyncio.sleep(0)\nkz = await asyncio.sleep(0, result=3)")
+    assert status == "ok", out
+    assert kernel("print(kz)")[1][-1]["text"] == "3\n"
