@@ -133,7 +133,7 @@ def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple
                                     f"{format_bytes(MEMORY_LIMIT)} of memory; stopped, not sized")
             if time.monotonic() > deadline:
                 raise OomMagicError(f"{config.name}: building the model it describes took longer than "
-                                    f"{TIME_LIMIT:.0f} s; stopped, not sized")
+                                    f"{TIME_LIMIT:g} s; stopped, not sized")
             time.sleep(0.05)
         out = proc.stdout.read() if proc.stdout is not None else b""
     finally:

@@ -131,6 +131,7 @@ def _run(ip, cell: str) -> Any:
 
 def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip) -> None:
     ip.run_cell("import torch\nkeep = torch.ones(1000)\nother = {'k': keep}")
+    ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
 
     def prepare() -> None:
         ip.run_cell("x = torch.ones(2000)")
@@ -150,11 +151,11 @@ def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip) -> None
         assert after.get("x", before["x"]) == before["x"], site
         assert {k: v for k, v in after.items() if k != "x"} == {k: v for k, v in before.items() if k != "x"}, site
         assert ip.run_cell("assert keep.sum() == 1000 and other['k'] is keep").error_in_exec is None, site
-    assert delivered >= len(sites) - 3  # a function or two runs only on some paths (a branch in a later run)
+    assert delivered >= 0.9 * len(sites)  # a few functions run only on some paths (a branch in a later run)
     assert ip.run_line_magic("freeall", "").dry_run is False  # and %freeall still works
 
 
-def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu) -> None:
+def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap) -> None:
     """FAKE GPU: the guard's cap (--target T4 on an 80 GiB FAKE cuda:0) and an out-of-memory error."""
     cuda = fake_gpu(GuardFakeCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)  # the user's own fraction, to be put back
@@ -162,10 +163,12 @@ def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gp
     ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
     ip.run_cell("import torch\nfrom oom_magic import guard_load\nkeep = torch.ones(1000)")
     cells = {
-        "with, out of memory": ("with guard_load(device='cuda:0', target='T4', expandable_segments=False, quiet=True):\n"
-                                "    cuda.allocate(20 * GiB)"),
-        "magic, out of memory": "%%guardload --device cuda:0 --target T4 --no-expandable -q\ncuda.allocate(20 * GiB)",
-        "magic, fits": "%%guardload --device cuda:0 --target T4 --no-expandable -q\nloaded = cuda.allocate(1)",
+        # No cleanup before the load: %freeall's every step is interrupted in the test above.
+        "with, out of memory": ("with guard_load(device='cuda:0', target='T4', expandable_segments=False, quiet=True,\n"
+                                "                cleanup=False):\n    cuda.allocate(20 * GiB)"),
+        "magic, out of memory": ("%%guardload --device cuda:0 --target T4 --no-expandable --no-cleanup -q\n"
+                                 "cuda.allocate(20 * GiB)"),
+        "magic, fits": "%%guardload --device cuda:0 --target T4 --no-expandable --no-cleanup -q\nloaded = cuda.allocate(1)",
     }
     delivered = 0
     done: set[Any] = set()  # a function interrupted on one path is not interrupted again on the next
@@ -182,7 +185,7 @@ def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gp
             assert set(after) - set(before) <= {"loaded"}, (label, site)
             assert ip.run_cell("assert keep.sum() == 1000").error_in_exec is None, (label, site)
         print(label, len(sites), "functions interrupted")
-    assert delivered >= len(done) - 3
+    assert delivered >= 0.9 * len(done)
 
 
 def test_ctrl_c_while_the_forensics_print_puts_the_fraction_back(fake_gpu, monkeypatch) -> None:
