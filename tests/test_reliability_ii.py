@@ -1,9 +1,9 @@
 """Reliability II with torch: no lost data, no broken kernel, no escaped traceback.
 
 The magics run in the real shell (tests/conftest.py), the serialisation case in a real kernel.
-Ctrl-C is injected at every oom_magic function a %freeall calls, and at every function of a
-guarded load's own steps (guard, targets, magics; every 12th of the scans and renderers
-it calls, which number in the hundreds): a call-event tracer (sys.settrace) calls
+Ctrl-C is injected at every oom_magic function a %freeall and a guarded load call (on a frozen
+heap, gc.freeze, as in a fresh kernel, so each run takes a fraction of a second): a call-event
+tracer (sys.settrace) calls
 ``_thread.interrupt_main`` -- exactly what a Ctrl-C does, a KeyboardInterrupt raised in the main
 thread at its next instruction -- the first time each function is entered; after each, the next
 cell must see the environment as before. The GPU is a
@@ -107,17 +107,6 @@ def _interrupted(action: Callable[[], Any], site: Any) -> bool:
     return bool(fired)
 
 
-_GUARD_STEPS = ("guard.py", "targets.py", "magics.py", "_extension.py")  # cleanup.py: every step in the test above
-
-
-def _steps(sites: list[Any], stride: int = 12) -> list[Any]:
-    """Every function of the guard's own steps (guard, targets, magics), and every
-    ``stride``-th of the rest (scans, readings, rendering: hundreds, a second each to interrupt)."""
-    own = [s for s in sites if s.co_filename.endswith(_GUARD_STEPS)]
-    rest = [s for s in sites if not s.co_filename.endswith(_GUARD_STEPS)]
-    return own + rest[::stride]
-
-
 def _user_state(ip) -> dict[str, int]:
     return {k: id(v) for k, v in ip.user_ns.items() if is_user_name(k)}
 
@@ -129,7 +118,7 @@ def _run(ip, cell: str) -> Any:
     return result
 
 
-def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip) -> None:
+def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_heap) -> None:
     ip.run_cell("import torch\nkeep = torch.ones(1000)\nother = {'k': keep}")
     ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
 
@@ -163,17 +152,15 @@ def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gp
     ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
     ip.run_cell("import torch\nfrom oom_magic import guard_load\nkeep = torch.ones(1000)")
     cells = {
-        # No cleanup before the load: %freeall's every step is interrupted in the test above.
-        "with, out of memory": ("with guard_load(device='cuda:0', target='T4', expandable_segments=False, quiet=True,\n"
-                                "                cleanup=False):\n    cuda.allocate(20 * GiB)"),
-        "magic, out of memory": ("%%guardload --device cuda:0 --target T4 --no-expandable --no-cleanup -q\n"
-                                 "cuda.allocate(20 * GiB)"),
-        "magic, fits": "%%guardload --device cuda:0 --target T4 --no-expandable --no-cleanup -q\nloaded = cuda.allocate(1)",
+        "with, out of memory": ("with guard_load(device='cuda:0', target='T4', expandable_segments=False, quiet=True):\n"
+                                "    cuda.allocate(20 * GiB)"),
+        "magic, out of memory": "%%guardload --device cuda:0 --target T4 --no-expandable -q\ncuda.allocate(20 * GiB)",
+        "magic, fits": "%%guardload --device cuda:0 --target T4 --no-expandable -q\nloaded = cuda.allocate(1)",
     }
     delivered = 0
     done: set[Any] = set()  # a function interrupted on one path is not interrupted again on the next
     for label, cell in cells.items():
-        sites = _steps([s for s in _call_sites(lambda: _run(ip, cell)) if s not in done])
+        sites = [s for s in _call_sites(lambda: _run(ip, cell)) if s not in done]
         done.update(sites)
         for site in sites:
             before = _user_state(ip)
