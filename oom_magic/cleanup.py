@@ -13,7 +13,7 @@ from typing import Any, Iterable
 from ._torch import cuda_initialized, loaded_torch
 from .devices import DeviceReading, read_device, resolve_device
 from .errors import OomMagicError
-from .holders import STALE_KINDS, TRACEBACK, Attribution, attribute
+from .holders import OTHER, STALE_KINDS, TRACEBACK, Attribution, attribute
 from .nvml import Nvml
 from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
 from .tracker import LiveTensors, StorageRecord, find_tensors, tensor_types
@@ -352,7 +352,7 @@ def _every_holder(live: LiveTensors, keys: set[int], roots: Roots, torch: Any, t
         for key, holder in found.items():
             if holder.root not in named_roots:
                 paths.setdefault(key, []).append(holder.path)
-        if not new_roots or all(h.kind not in ("user",) + tuple(STALE_KINDS) for h in found.values()):
+        if not new_roots or all(h.kind == OTHER for h in found.values()):  # referrer chains: no root to drop
             break
         named_roots |= new_roots
     return paths

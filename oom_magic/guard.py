@@ -21,6 +21,7 @@ lifetime peak rose during the cell, else None with the reason.
 """
 from __future__ import annotations
 
+import builtins
 import gc
 import os
 import re
@@ -53,7 +54,7 @@ _HISTORY_ENTRIES = 100_000
 _CO_OPTIMIZED = 0x1  # inspect.CO_OPTIMIZED: a function frame (its locals are its own)
 _CO_COROUTINE = 0x80  # inspect.CO_COROUTINE: code compiled with a top-level await
 # Python 3.10 has no exception groups: nothing there is one.
-_EXCEPTION_GROUP: type | None = getattr(__import__("builtins"), "BaseExceptionGroup", None)
+_EXCEPTION_GROUP: type | None = getattr(builtins, "BaseExceptionGroup", None)
 
 
 # --------------------------------------------------------------------------- records

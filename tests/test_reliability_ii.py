@@ -144,7 +144,7 @@ def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_h
     assert ip.run_line_magic("freeall", "").dry_run is False  # and %freeall still works
 
 
-def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap) -> None:
+def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap) -> None:  # noqa: F811 (the imported fixture)
     """FAKE GPU: the guard's cap (--target T4 on an 80 GiB FAKE cuda:0) and an out-of-memory error."""
     cuda = fake_gpu(GuardFakeCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)  # the user's own fraction, to be put back
@@ -175,7 +175,7 @@ def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gp
     assert delivered >= 0.9 * len(done)
 
 
-def test_ctrl_c_while_the_forensics_print_puts_the_fraction_back(fake_gpu, monkeypatch) -> None:
+def test_ctrl_c_while_the_forensics_print_puts_the_fraction_back(fake_gpu, monkeypatch) -> None:  # noqa: F811 (the imported fixture)
     """FAKE GPU. `with guard_load(target=...)`: __exit__ had no finally around the forensics."""
     from oom_magic import guard as guard_module
     from oom_magic import guard_load
