@@ -2,7 +2,7 @@
 
 Loading registers the magics (``OomMagics``) and the after-cell hooks of its ``CellWatch``
 (``pre_run_cell`` and ``post_run_cell``, the same callable objects each time) and, after each
-cell, ``targets.release_interrupted_caps``. Loading again is
+cell's code (``post_execute``), ``targets.release_interrupted_caps``. Loading again is
 harmless; unloading unregisters exactly those callbacks, freezes and closes every widget the
 hooks displayed, and removes the magics.
 """
@@ -26,8 +26,8 @@ def load(shell: InteractiveShell) -> None:
         return
     magics = OomMagics(shell)
     shell.register_magics(magics)
-    if release_interrupted_caps not in shell.events.callbacks["post_run_cell"]:
-        shell.events.register("post_run_cell", release_interrupted_caps)
+    if release_interrupted_caps not in shell.events.callbacks["post_execute"]:
+        shell.events.register("post_execute", release_interrupted_caps)
     watch = getattr(magics, "cell_watch", None)
     if watch is None:
         return
@@ -42,8 +42,8 @@ def unload(shell: InteractiveShell) -> None:
     magics = shell.magics_manager.registry.pop(_REGISTRY_NAME, None)
     if magics is None:
         return
-    while release_interrupted_caps in shell.events.callbacks["post_run_cell"]:
-        shell.events.unregister("post_run_cell", release_interrupted_caps)
+    while release_interrupted_caps in shell.events.callbacks["post_execute"]:
+        shell.events.unregister("post_execute", release_interrupted_caps)
     watch = getattr(magics, "cell_watch", None)
     if watch is not None:
         for event, callback in watch.callbacks().items():

@@ -273,7 +273,7 @@ def cap_released(owner: object) -> None:
 
 
 def release_interrupted_caps(*_: object) -> None:
-    """After a cell: put back every cap an interrupted guard left set (an IPython post_run_cell hook)."""
+    """After a cell: put back every cap an interrupted guard left set (an IPython post_execute hook)."""
     while _UNRELEASED:
         _, release = _UNRELEASED.popitem()
         try:
