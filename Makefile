@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test lab bench gpu-check ui-deps clean
+.PHONY: demo test test-pythons lab bench gpu-check ui-deps clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -32,6 +32,13 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q
 
+# Every Python that pyproject's requires-python admits, without torch (venvs in .venvs/pyXY, made once):
+# import every module, ruff's undefined-name check for that version, and the torch-free tests.
+PYTHONS ?= 3.10 3.11 3.12 3.13
+TORCH_FREE_TESTS := tests/test_reliability_ii_torchfree.py tests/test_nvml.py tests/test_processes.py
+test-pythons:
+	scripts/test_pythons.sh "$(PYTHONS)" "$(TORCH_FREE_TESTS)"
+
 lab: $(VENV)/.test
 	$(BIN)/jupyter lab notebooks/
 
@@ -48,4 +55,4 @@ gpu-check: $(BIN)/python
 	$(BIN)/python scripts/gpu_check.py
 
 clean:
-	rm -rf $(VENV) notebooks/*.executed.ipynb .pytest_cache
+	rm -rf $(VENV) .venvs notebooks/*.executed.ipynb .pytest_cache

@@ -1,14 +1,17 @@
 """Load and unload the extension: register exactly what unload removes.
 
 Loading registers the magics (``OomMagics``), the after-cell hooks of its ``CellWatch``
-(``pre_run_cell`` and ``post_run_cell``, the same callable objects each time) and one input
-transformer (``GuardedCellSyntax``: a %%guardload cell that does not parse fails as a plain cell). Loading again is
-harmless; unloading unregisters exactly those callbacks and that transformer, freezes and closes every widget the
+(``pre_run_cell`` and ``post_run_cell``, the same callable objects each time), after each cell's
+code (``post_execute``) ``targets.release_interrupted_caps``, and one input transformer
+(``GuardedCellSyntax``: a %%guardload cell that does not parse fails as a plain cell). Loading again
+is harmless; unloading unregisters exactly those callbacks and that transformer, freezes and closes every widget the
 hooks displayed, and removes the magics.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from .targets import release_interrupted_caps  # puts back a --target cap a Ctrl-C kept a guard from restoring
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
@@ -27,6 +30,8 @@ def load(shell: InteractiveShell) -> None:
     transformers = getattr(shell, "input_transformers_cleanup", None)
     if transformers is not None and magics.syntax_check not in transformers:  # fails as a plain cell does
         transformers.append(magics.syntax_check)
+    if release_interrupted_caps not in shell.events.callbacks["post_execute"]:
+        shell.events.register("post_execute", release_interrupted_caps)
     watch = getattr(magics, "cell_watch", None)
     if watch is None:
         return
@@ -45,6 +50,8 @@ def unload(shell: InteractiveShell) -> None:
     transformers = getattr(shell, "input_transformers_cleanup", [])
     while check is not None and check in transformers:
         transformers.remove(check)
+    while release_interrupted_caps in shell.events.callbacks["post_execute"]:
+        shell.events.unregister("post_execute", release_interrupted_caps)
     watch = getattr(magics, "cell_watch", None)
     if watch is not None:
         for event, callback in watch.callbacks().items():

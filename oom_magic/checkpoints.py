@@ -87,6 +87,9 @@ def resolve_checkpoint(path_or_id: str | os.PathLike[str]) -> Path:
         raise OomMagicError(f"cannot use {one_line(text)} as a path ({one_line(detail)})") from None
     if exists:
         return local.absolute()
+    broken = _broken_link(local)
+    if broken is not None:
+        raise OomMagicError(f"{one_line(text)} is a symbolic link {broken}: point it at the checkpoint")
     if not _HUB_ID.match(text):
         raise OomMagicError(f"no such file or folder: {one_line(text)}")
     cache = hub_cache_dir()
@@ -98,6 +101,25 @@ def resolve_checkpoint(path_or_id: str | os.PathLike[str]) -> Path:
             f"snapshot of it at {repo_dir} (set HF_HUB_CACHE or HF_HOME, or pass a local folder)"
         )
     return snapshot
+
+
+def _broken_link(path: Path) -> str | None:
+    """How a symlink that does not lead to a file fails ("that loops back on itself", "to X, which
+    does not exist"), or None when the path is no symlink."""
+    import errno
+
+    try:
+        if not path.is_symlink():
+            return None
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "that loops back on itself"
+        try:
+            return f"to {one_line(os.readlink(path))}, which does not exist"
+        except OSError:
+            return "that leads nowhere"
+    return None
 
 
 def one_line(text: object, limit: int = 300) -> str:
@@ -177,7 +199,7 @@ def _find_in_folder(folder: Path) -> CheckpointFiles:
     """Pick the checkpoint files in a folder: safetensors first, then torch files, then config."""
     config = _config_beside(folder)
     try:
-        names = sorted(entry.name for entry in os.scandir(folder) if entry.is_file())
+        names = sorted(entry.name for entry in os.scandir(folder) if _is_file(entry))
     except OSError as exc:
         raise OomMagicError(f"{folder}: cannot list it ({exc.strerror or exc})") from None
     present = set(names)
@@ -205,6 +227,15 @@ def _find_in_folder(folder: Path) -> CheckpointFiles:
     raise OomMagicError(
         f"{folder}: no checkpoint here (no *.safetensors, *.bin/*.pt/*.pth or config.json)"
     )
+
+
+def _is_file(entry: os.DirEntry[str]) -> bool:
+    """Whether a folder entry is a file; a looping or broken symlink is not one (and no reason to
+    refuse the whole folder)."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
 
 
 def _single(root: Path, file: Path, config: Path | None) -> CheckpointFiles:

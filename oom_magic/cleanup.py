@@ -13,9 +13,9 @@ from typing import Any, Iterable
 from ._torch import cuda_initialized, loaded_torch
 from .devices import DeviceReading, read_device, resolve_device
 from .errors import OomMagicError
-from .holders import STALE_KINDS, TRACEBACK, Attribution, attribute
+from .holders import OTHER, STALE_KINDS, TRACEBACK, Attribution, attribute
 from .nvml import Nvml
-from .roots import Roots, collect_roots, current_shell, is_user_name, variable_path
+from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
 from .tracker import LiveTensors, StorageRecord, find_tensors, tensor_types
 
 
@@ -82,12 +82,12 @@ class FreeReport:
 def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run: bool = False,
                shell: Any | None = None, namespace: dict | None = None, nvml: Nvml | None = None) -> FreeReport:
     """Give back stale memory on ``device``; with ``names``, delete those variables first."""
-    names = tuple(names)
     if shell is None and namespace is None:
         shell = current_shell()
     if namespace is None:
         namespace = getattr(shell, "user_ns", None) or sys.modules["__main__"].__dict__
-    ipython_own = [n for n in names if not is_user_name(n)]
+    names = _named_variables(names, namespace)
+    ipython_own = [n for n in names if _ipython_own(n, shell, namespace)]
     if ipython_own:
         raise OomMagicError(f"{', '.join(map(repr, ipython_own))}: IPython's own name, not a variable of yours; "
                             "nothing was deleted (%freeall without names frees what the output cache holds)")
@@ -140,6 +140,31 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
     return FreeReport(where, sum(by_kind.values()), tuple(sorted(by_kind.items())), before, after,
                       deleted, still, dry_run, tuple(notes))
+
+
+def _named_variables(names: Iterable[str], namespace: dict) -> tuple[str, ...]:
+    """The names as the user meant them: each once, in order; a quoted name (`'a b'` on the magic
+    line, which IPython passes on with its quotes) without its quotes unless a variable is so named."""
+    result: list[str] = []
+    for name in names:
+        if (isinstance(name, str) and len(name) >= 2 and name[0] == name[-1] and name[0] in "'\""
+                and name not in namespace):
+            name = name[1:-1]
+        if name not in result:
+            result.append(name)
+    return tuple(result)
+
+
+def _ipython_own(name: str, shell: Any, namespace: dict) -> bool:
+    """Whether a name is IPython's rather than the user's (its history, `_exit_code`, what it put in
+    the namespace itself and the user has not rebound); a `_` the user assigned is the user's."""
+    if name in user_owned_unders(shell, namespace):
+        return False
+    if not is_user_name(name):
+        return True
+    hidden = getattr(shell, "user_ns_hidden", None) if shell is not None else None
+    return (type(hidden) is dict and name in hidden and name in namespace
+            and dict.get(hidden, name) is dict.get(namespace, name))
 
 
 def _why(exc: BaseException) -> str:
@@ -207,7 +232,7 @@ def _give_back(roots: Roots, stale: dict, attribution: Attribution, shell: Any,
         _drop_output_refs(cached, shell, namespace)
         for name, obj in roots.traceback:
             if name in stale_roots and id(obj) not in attribution.user_reachable:
-                _clear_exception(obj)
+                _clear_exception(obj, attribution.user_reachable)
         if any(h.kind == TRACEBACK for h in stale.values()):
             for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
                 if hasattr(sys, attr):
@@ -240,8 +265,10 @@ def _drop_output_refs(objects: list[object], shell: Any, namespace: dict) -> Non
         for n in [n for n, v in out.items() if id(v) in ids]:
             del out[n]
     hidden = getattr(shell, "user_ns_hidden", {}) if shell is not None else {}
+    owned = user_owned_unders(shell, namespace)  # a `_` the user assigned is theirs: never rewritten
     for ns in (namespace, hidden):
         for key in [k for k, v in list(ns.items()) if isinstance(k, str) and id(v) in ids
+                    and not (ns is namespace and k in owned)
                     and (k in ("_", "__", "___") or (k[:1] == "_" and k[1:].isdigit()))]:
             if key in ("_", "__", "___"):
                 ns[key] = ""
@@ -256,8 +283,9 @@ def _drop_output_refs(objects: list[object], shell: Any, namespace: dict) -> Non
         last.result = None
 
 
-def _clear_exception(obj: object) -> None:
-    """Clear the frames of an exception's (or a traceback's) whole chain; running frames are skipped."""
+def _clear_exception(obj: object, keep: frozenset[int] = frozenset()) -> None:
+    """Clear the frames of an exception's (or a traceback's) whole chain; running frames and those a
+    user variable reaches (``fr = err.__traceback__.tb_frame``: ids in ``keep``) are skipped."""
     seen: set[int] = set()
     stack = [obj]
     while stack:
@@ -270,7 +298,8 @@ def _clear_exception(obj: object) -> None:
         elif type(item).__name__ == "traceback":
             tb = item
             while tb is not None:
-                _clear_frame(tb.tb_frame)
+                if id(tb) not in keep and id(tb.tb_frame) not in keep:
+                    _clear_frame(tb.tb_frame)
                 tb = tb.tb_next
 
 
@@ -302,16 +331,39 @@ def _still_held(after_live: LiveTensors, names: tuple[str, ...], named: dict[str
     """For each deleted name: which of its storages are still alive, and what holds them."""
     if not names:
         return ()
-    holders = attribute(after_live, collect_roots(shell, namespace), torch, types,
-                        find_garbage=False, trace_other=True).holders
+    alive_keys = {k for name in names for k in named.get(name, ()) if k in after_live.storages}
+    paths_of = _every_holder(after_live, alive_keys, collect_roots(shell, namespace), torch, types)
     result = []
     for name in names:
         alive = [k for k in named.get(name, ()) if k in after_live.storages]
         if not alive:
             continue
-        paths = [holders[k].path for k in alive if k in holders]
+        paths = [p for k in alive for p in paths_of.get(k, ())]
         result.append(StillHeld(name, sum(storages[k].bytes for k in alive), _holder_names(paths)))
     return tuple(result)
+
+
+def _every_holder(live: LiveTensors, keys: set[int], roots: Roots, torch: Any, types: frozenset[type],
+                  rounds: int = 8) -> dict[int, list[str]]:
+    """Every root that still reaches each storage (``b`` and ``d['k']``, not only the first found):
+    walk again without the roots already named, until no storage is reached (at most ``rounds``)."""
+    paths: dict[int, list[str]] = {}
+    named_roots: set[str] = set()
+    for number in range(rounds):
+        def keep(pairs: tuple[tuple[str, object], ...]) -> tuple[tuple[str, object], ...]:
+            return tuple((n, o) for n, o in pairs if n not in named_roots)
+
+        left = Roots(keep(roots.user), keep(roots.output_cache), keep(roots.traceback), roots.containers)
+        holders = attribute(live, left, torch, types, find_garbage=False, trace_other=number == 0).holders
+        found = {k: holders[k] for k in keys if k in holders}
+        new_roots = {h.root for h in found.values()} - named_roots
+        for key, holder in found.items():
+            if holder.root not in named_roots:
+                paths.setdefault(key, []).append(holder.path)
+        if not new_roots or all(h.kind == OTHER for h in found.values()):  # referrer chains: no root to drop
+            break
+        named_roots |= new_roots
+    return paths
 
 
 def _holder_names(paths: list[str]) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 ``estimate_checkpoint("meta-llama/Llama-2-7b-hf", dtype="bfloat16")`` reads safetensors headers
 (or a torch.save zip's directory and pickle opcodes, never executing them) and answers in
 milliseconds, without reading tensor data, importing torch, or going online. A folder with only
-a config.json is sized by building the model on the meta device through transformers.
+a config.json is sized by building the model on the meta device through transformers, in a
+child process bounded in time and memory (config_size.py).
 
 The tutorial's rule of thumb for a 7B model (28 / 14 / 7 / ~3.5 GiB in fp32 / fp16 / int8 /
 int4) is the naive bound ``parameters x bytes per element``. What bitsandbytes really allocates
@@ -979,66 +980,12 @@ def _tensor_view(value: object, depth: int = 0) -> _View | None:
 def _config_only(config: Path, declared: str | None) -> Iterator[_Stored]:
     """Size the model a config.json describes by building it on the meta device (no memory used).
 
-    The only branch that imports torch and transformers; each unique parameter and persistent
-    buffer counts once (tied weights once), at the declared dtype (float32 when none).
+    The build runs in a child process bounded in time and memory (``config_size``), so this
+    process imports neither torch nor transformers; each unique parameter and persistent buffer
+    counts once (tied weights once), at the declared dtype (float32 when none).
     """
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        raise OomMagicError(
-            f"{config.name}: sizing a checkpoint from its config alone needs torch and transformers "
-            "(pip install 'oom-magic[hf]')"
-        ) from None
-    try:
-        model_config = transformers.AutoConfig.from_pretrained(
-            str(config.parent), local_files_only=True, trust_remote_code=False
-        )
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a bad config
-        raise OomMagicError(f"{config.name}: transformers cannot read it ({_first_line(exc)})") from None
-    dtype = getattr(torch, declared) if declared in _CAST_BYTES else torch.float32
-    model = _build_on_meta(torch, transformers, model_config, dtype, config.name)
-    seen: set[int] = set()
-    for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        tensors = list(module._parameters.items()) + [
-            (name, buf)
-            for name, buf in module._buffers.items()
-            if name not in module._non_persistent_buffers_set
-        ]
-        for name, tensor in tensors:
-            if tensor is None or id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            dtype_name = str(tensor.dtype).removeprefix("torch.")
-            elements = tensor.numel()
-            nbytes = elements * tensor.element_size()
-            yield _tensor(dtype_name, prefix + name, tuple(tensor.shape), elements, nbytes)
+    from .config_size import size_from_config
 
-
-def _build_on_meta(torch, transformers, model_config, dtype, label: str):  # type: ignore[no-untyped-def]
-    """Instantiate the config's architecture (else AutoModelForCausalLM, else AutoModel) on meta."""
-    base = transformers.PreTrainedModel
-    candidates = []
-    for arch in getattr(model_config, "architectures", None) or []:
-        found = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
-        if isinstance(found, type) and issubclass(found, base):
-            candidates.append(found._from_config)
-    candidates += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
-    error: Exception | None = None
-    for build in candidates:
-        try:
-            with torch.device("meta"):
-                return build(model_config, dtype=dtype)
-        except Exception as exc:  # noqa: BLE001 - model constructors raise anything
-            error = error or exc
-    raise OomMagicError(
-        f"{label}: transformers cannot build this {getattr(model_config, 'model_type', '?')} model "
-        f"({_first_line(error)})"
-    )
-
-
-def _first_line(exc: BaseException | None) -> str:
-    """The first line of an exception's message, short."""
-    text = str(exc).strip().splitlines()[0] if exc is not None and str(exc).strip() else type(exc).__name__
-    return text[:160]
+    for name, dtype_name, shape, elements, nbytes in size_from_config(
+            config, declared if declared in _CAST_BYTES else None):
+        yield _tensor(dtype_name, name, shape, elements, nbytes)

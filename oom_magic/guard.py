@@ -21,6 +21,7 @@ lifetime peak rose during the cell, else None with the reason.
 """
 from __future__ import annotations
 
+import builtins
 import gc
 import os
 import re
@@ -39,18 +40,21 @@ from .errors import OomMagicError
 from .oom import OOMMessage, is_out_of_memory, parse_oom_message
 from .preflight import Preflight, cuda_process_cap, parse_headroom, usable_ram
 from .roots import Roots, collect_roots, current_shell, is_user_name
-from .targets import Cap, Target, capped, memory_fraction_for, parse_target
+from .targets import Cap, Target, cap_released, capped, hold_cap, memory_fraction_for, parse_target
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["AllocatorSetting", "Attempt", "GiveBack", "GuardRefused", "GuardReport", "GuardedLoad", "PeakReading",
+__all__ = ["AllocatorSetting", "Attempt", "GiveBack", "GuardRefused", "GuardReport", "GuardUsedUp", "GuardedLoad", "PeakReading",
            "Rehearsal", "VariableUse", "allocator_setting", "apply_allocator_setting", "compile_cell", "guard_load", "largest_free_block"]
 
 _ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 _EXPANDABLE = re.compile(r"expandable_segments\s*:\s*(\w+)")
 _HISTORY_ENTRIES = 100_000
 _CO_OPTIMIZED = 0x1  # inspect.CO_OPTIMIZED: a function frame (its locals are its own)
+_CO_COROUTINE = 0x80  # inspect.CO_COROUTINE: code compiled with a top-level await
+# Python 3.10 has no exception groups: nothing there is one.
+_EXCEPTION_GROUP: type | None = getattr(builtins, "BaseExceptionGroup", None)
 
 
 # --------------------------------------------------------------------------- records
@@ -243,6 +247,13 @@ class GuardReport:
         from .render.guard import guard_report_html
 
         return guard_report_html(self)
+
+
+class GuardUsedUp(OomMagicError):
+    """A finished guard asked to run again (it would run the load unguarded): one line in IPython."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self}"]
 
 
 class GuardRefused(OomMagicError):
@@ -536,7 +547,7 @@ def _clear_frames(exc: BaseException) -> int:
         seen.add(id(item))
         if isinstance(item, BaseException):
             stack += [item.__traceback__, item.__cause__, item.__context__]
-            if isinstance(item, BaseExceptionGroup):
+            if _EXCEPTION_GROUP is not None and isinstance(item, _EXCEPTION_GROUP):
                 stack += list(item.exceptions)
             continue
         tb = item
@@ -607,6 +618,35 @@ class _Start:
     cuda_peak_before: int | None = None  # max_memory_allocated() before the attempt (read, not reset)
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's message; '' when its ``__str__`` itself raises."""
+    try:
+        return (str(exc).strip().splitlines() or [""])[0]
+    except Exception:
+        return ""
+
+
+def _message(exc: BaseException) -> str:
+    """An error's message; '' when its ``__str__`` itself raises."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
+
+
+def _handled_by_guard(exc: BaseException) -> bool:
+    """Whether this is a guard's own short exception (an inner guard already diagnosed the OOM)."""
+    try:
+        return "oom_report" in object.__getattribute__(exc, "__dict__")
+    except Exception:
+        return False
+
+
+def _needs_forensics(exc: BaseException) -> bool:
+    """An out-of-memory error no guard has handled yet."""
+    return is_out_of_memory(exc) and not _handled_by_guard(exc)
+
+
 def _default_traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
     while tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("oom_magic."):
@@ -659,6 +699,7 @@ class GuardedLoad:
         self.value: Any = None
         self._begun = False
         self._ended = False
+        self._used = False
 
     # ----------------------------------------------------------------- the three ways in
     def begin(self) -> None:
@@ -667,13 +708,21 @@ class GuardedLoad:
         Called by ``run``, ``with`` and iteration; call it yourself to separate bad-input errors
         (OomMagicError: an unknown device, a --strict refusal) from errors of the load itself.
         """
+        if self._used:
+            raise GuardUsedUp("this guard has already run a load: a guard runs once, so call "
+                              "guard_load(...) again for another load")
         if not self._begun:
             self._begin()
+
+    def _claim(self) -> None:
+        """Refuse a second use: a finished guard would otherwise run the load unguarded."""
+        self.begin()
+        self._used = True
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` guarded, retrying as allowed; return its result."""
         __tracebackhide__ = True
-        self.begin()
+        self._claim()
         attempts: list[Attempt] = []
         try:
             for number in range(1, self.retry + 2):
@@ -681,7 +730,7 @@ class GuardedLoad:
                 try:
                     value = fn(*args, **kwargs)
                 except BaseException as exc:
-                    if not is_out_of_memory(exc):
+                    if not _needs_forensics(exc):
                         self._abort(start, exc, attempts)
                         raise
                     attempts.append(self._failed(start, exc, number))
@@ -701,7 +750,7 @@ class GuardedLoad:
         if self.retry:
             raise OomMagicError("a with-block runs once, so it cannot retry: use `for attempt in "
                                 "guard_load(retry=N): with attempt: ...` or guard_load(retry=N).run(fn)")
-        self.begin()
+        self._claim()
         try:
             self._with_start = self._start_attempt(1)
         except BaseException:
@@ -712,19 +761,22 @@ class GuardedLoad:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         __tracebackhide__ = True
         start = self._with_start
-        if exc is None:
-            self._end([self._succeeded(start, 1)])
-            return False
-        if not is_out_of_memory(exc):
-            self._abort(start, exc, [])
-            return False
-        attempt = self._failed(start, exc, 1)
-        del exc, tb
-        self._end([attempt])  # raises the short exception unless raise_on_oom is False
-        return True  # printed and given back: the long error is not raised again
+        try:
+            if exc is None:
+                self._end([self._succeeded(start, 1)])
+                return False
+            if not _needs_forensics(exc):
+                self._abort(start, exc, [])
+                return False
+            attempt = self._failed(start, exc, 1)
+            del exc, tb
+            self._end([attempt])  # raises the short exception unless raise_on_oom is False
+            return True  # printed and given back: the long error is not raised again
+        finally:
+            self._release_cap()  # also when Ctrl-C lands in the forensics
 
     def __iter__(self) -> Iterator[_AttemptContext]:
-        self.begin()
+        self._claim()
         attempts: list[Attempt] = []
         try:
             for number in range(1, self.retry + 2):
@@ -859,21 +911,34 @@ class GuardedLoad:
             self._say(rehearsal_line(self.rehearsal), always=True)
             return
         self._cap_exit = lambda: manager.__exit__(None, None, None)
+        hold_cap(self, self._release_cap)  # put back after the cell even if a Ctrl-C skips our finally
         self.rehearsal = replace(rehearsal, cap=cap)
 
     def _release_cap(self) -> None:
         """Put the previous memory fraction back (once); a failed restore becomes a note, not an error."""
-        release, self._cap_exit = self._cap_exit, None
+        release = self._cap_exit
         if release is None or self.rehearsal is None:
             return
         try:
             release()
+        except KeyboardInterrupt:  # a Ctrl-C landed in the restore itself: finish it, then go on
+            self._cap_exit = None
+            cap_released(self)
+            cap = self.rehearsal.cap
+            if cap is not None and self.torch is not None:
+                self.torch.cuda.set_per_process_memory_fraction(cap.restore_to, cap.device_index)
+                self.rehearsal = replace(self.rehearsal, restored=True)
+            raise
         except Exception as exc:
+            self._cap_exit = None
+            cap_released(self)
             cap = self.rehearsal.cap
             where = f"torch.cuda.set_per_process_memory_fraction({cap.restore_to if cap else 1.0}, {cap.device_index if cap else 0})"
             self.rehearsal = replace(self.rehearsal, restored=False,
                                      error=f"could not put the previous fraction back ({exc}): run {where}")
             return
+        self._cap_exit = None
+        cap_released(self)
         self.rehearsal = replace(self.rehearsal, restored=True)
 
     def _resolve_device(self) -> str:
@@ -953,7 +1018,7 @@ class GuardedLoad:
         """A non-OOM error: stop recording, keep a report, and let the error go on as usual."""
         seconds = time.perf_counter() - start.started
         self._stop_snapshot()
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = _first_line(exc)
         attempts = attempts + [Attempt(len(attempts) + 1, "error", seconds, f"{type(exc).__name__}: {first}")]
         after = self._read()
         self._release_cap()
@@ -970,9 +1035,9 @@ class GuardedLoad:
         self.torch = self.torch or loaded_torch()
         text = self.format_traceback(exc)
         self._say(text.rstrip("\n"), always=True)
-        first = (str(exc).strip().splitlines() or [""])[0]
+        first = _first_line(exc)
         self._error_type = type(exc)
-        message = parse_oom_message(str(exc)) or parse_oom_message(text)
+        message = parse_oom_message(_message(exc)) or parse_oom_message(text)
         at_failure = self._read()
         at_failure_storages = _storage_bytes(self.torch, self.device)
         snapshot_file = self._dump_snapshot()
@@ -1220,16 +1285,61 @@ def compile_cell(shell: Any, cell: str) -> tuple[Callable[[], Any], str]:
         last = ast.Expression(tree.body.pop().value)
         ast.fix_missing_locations(last)
     filename = shell.compile.cache(source, _cell_number(shell), raw_code=cell)
-    code = shell.compile(tree, filename, "exec")
-    last_code = shell.compile(last, filename, "eval") if last is not None else None
+    # Top-level await is allowed as in a plain cell (unless %autoawait is off): such code
+    # evaluates to a coroutine, run below.
+    flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0) if getattr(shell, "autoawait", False) else 0
+    with shell.compile.extra_flags(flags):
+        code = shell.compile(tree, filename, "exec")
+        last_code = shell.compile(last, filename, "eval") if last is not None else None
     glob, local = shell.user_global_ns, shell.user_ns
 
     def body() -> Any:
         __tracebackhide__ = True
-        exec(code, glob, local)
-        return eval(last_code, glob, local) if last_code is not None else None
+        if code.co_flags & _CO_COROUTINE:
+            _run_coroutine(shell, eval(code, glob, local))
+        else:
+            exec(code, glob, local)
+        if last_code is None:
+            return None
+        value = eval(last_code, glob, local)
+        return _run_coroutine(shell, value) if last_code.co_flags & _CO_COROUTINE else value
 
     return body, source
+
+
+def _run_coroutine(shell: Any, coro: Any) -> Any:
+    """Run a cell's top-level-await coroutine as IPython would run the plain cell.
+
+    IPython's own runner (``shell.loop_runner``, which ``%autoawait`` sets) when no event loop runs
+    in this thread; in a kernel, whose loop is running this very cell, the runner gets a thread of
+    its own, since a second loop cannot run inside the first.
+    """
+    import asyncio
+    import threading
+
+    runner = getattr(shell, "loop_runner", None) or asyncio.run
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return runner(coro)
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = runner(coro)
+        except BaseException as exc:  # handed to the cell's thread, raised there
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="oom-magic top-level await", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        error = outcome.pop("error")
+        try:
+            raise error
+        finally:
+            del error
+    return outcome.get("value")
 
 
 def _delta(before: DeviceReading, after: DeviceReading, device: str) -> int | None:
@@ -1257,7 +1367,7 @@ class _AttemptContext:
         if exc is None:
             self.attempt = self.guard._succeeded(self._start, self.number)
             return False
-        if not is_out_of_memory(exc):
+        if not _needs_forensics(exc):
             self.guard._abort(self._start, exc, [])
             return False
         self.attempt = self.guard._failed(self._start, exc, self.number)

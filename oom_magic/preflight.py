@@ -372,8 +372,36 @@ def _qualified(obj: object) -> str | None:
     return None
 
 
+_METACLASS_OVERRIDES = ("__module__", "__name__", "__qualname__", "__eq__", "__hash__", "__getattribute__")
+
+
+def _odd_metaclass(obj: object) -> str | None:
+    """Why an object's class (or the object, when it is a class) cannot be inspected safely: a
+    metaclass that computes ``__module__``/``__name__`` or overrides ``==``/hashing would run its
+    code (and may raise) when the preflight reads it. Decided from the metaclasses' own dicts only."""
+    classes = [type(obj)]
+    if issubclass(type(obj), type):
+        classes.append(obj)  # type: ignore[arg-type]
+    for cls in classes:
+        meta = type(cls)
+        if meta is type:
+            continue
+        for klass in type.__dict__["__mro__"].__get__(meta):
+            if klass is type or klass is object:
+                continue
+            own = type.__dict__["__dict__"].__get__(klass)
+            for name in _METACLASS_OVERRIDES:
+                value = own.get(name, None)
+                if name in own and not (name in ("__module__", "__qualname__") and type(value) is str):
+                    return f"its metaclass {klass.__name__!r} overrides {name}"
+    return None
+
+
 def _from_object(obj: object, depth: int = 0) -> object:
     """A namespace value as the resolver sees it: plain data, a symbol, or an opaque object."""
+    odd = _odd_metaclass(obj)
+    if odd is not None:
+        return _Unknown(f"a value that cannot be inspected ({odd}) was skipped")
     if obj is None or type(obj) in (str, int, float, bool):
         return obj
     if issubclass(type(obj), PurePath):
@@ -424,6 +452,7 @@ class _Resolver:
         self.namespace = namespace
         self.local: dict[str, object] = {}  # names bound earlier in the cell
         self.imports: dict[str, str] = {}  # local alias -> qualified name
+        self.skipped: list[str] = []  # notes: namespace objects that could not be inspected
 
     # Statement effects, in cell order.
     def bind(self, stmt: ast.stmt) -> None:
@@ -456,6 +485,10 @@ class _Resolver:
         elif base in self.local:
             value = self.local[base]
             head = value.name if isinstance(value, _Symbol) else base
+        elif base in self.namespace and _odd_metaclass(self.namespace[base]) is not None:
+            self.skipped.append(f"`{base}` was skipped: {_odd_metaclass(self.namespace[base])}, so the preflight "
+                                "cannot inspect it")
+            head = base
         elif base in self.namespace:
             obj = self.namespace[base]
             head = _qualified(obj) or (f"{type(obj).__module__}.{type(obj).__qualname__}()" if type(obj) not in (str, int, float) else base)
@@ -515,7 +548,11 @@ class _Resolver:
         if name in self.imports:
             return _Symbol(self.imports[name])
         if name in self.namespace:
-            return _from_object(self.namespace[name])
+            value = _from_object(self.namespace[name])
+            if isinstance(value, _Unknown) and _odd_metaclass(self.namespace[name]) is not None:
+                self.skipped.append(f"`{name}` was skipped: {_odd_metaclass(self.namespace[name])}, so the "
+                                    "preflight cannot inspect it")
+            return value
         return _Unknown(f"`{name}` is not defined yet (it is set when the cell runs)")
 
     def _attribute(self, node: ast.Attribute, depth: int) -> object:
@@ -765,6 +802,11 @@ def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tu
 
     Raises OomMagicError when the cell is not valid Python (after IPython's transforms).
     """
+    return _find_load_calls(cell, namespace)[0]
+
+
+def _find_load_calls(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[LoadCall, ...], tuple[str, ...]]:
+    """The load calls, and a note for each namespace object the resolver had to skip."""
     try:
         tree = ast.parse(cell)
     except SyntaxError as exc:
@@ -779,7 +821,7 @@ def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tu
                 found.append((_describe(kind, node, stmt, resolver, parents), node))
         _track_moves(stmt, resolver, found, parents)
         resolver.bind(stmt)
-    return tuple(call for call, _ in found)
+    return tuple(call for call, _ in found), tuple(dict.fromkeys(resolver.skipped))
 
 
 def _assigned_name(node: ast.AST, stmt: ast.stmt, parents: dict[int, ast.AST]) -> str | None:
@@ -1127,9 +1169,10 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
     rehearsed = parse_target(target) if target is not None else None
     notes: list[str] = []
     try:
-        calls = find_load_calls(cell, namespace)
+        calls, skipped = _find_load_calls(cell, namespace)
     except OomMagicError as exc:
         return Preflight(device, (), (), (), (str(exc),))
+    notes += skipped
     if not calls:
         notes.append("no from_pretrained / torch.load / load_file call found: nothing to size")
     budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, rehearsed)

@@ -14,7 +14,7 @@ from typing import Any
 IPYTHON_NAMES = frozenset(
     {"_", "__", "___", "_i", "_ii", "_iii", "In", "Out", "_oh", "_ih", "_dh", "exit", "quit",
      "get_ipython", "__builtin__", "__builtins__", "__name__", "__doc__", "__package__",
-     "__loader__", "__spec__"}
+     "__loader__", "__spec__", "_exit_code"}
 )
 _HISTORY_NAME = re.compile(r"^_(i?\d+)$")
 
@@ -35,6 +35,16 @@ class Roots:
     traceback: tuple[tuple[str, object], ...] = ()
     # Objects that hold the namespaces themselves: never attribute through them.
     containers: tuple[object, ...] = field(default=(), repr=False)
+
+
+def user_owned_unders(shell: Any | None, namespace: dict) -> frozenset[str]:
+    """Which of ``_``, ``__``, ``___`` the user assigned: IPython writes them only while each still
+    holds its displayhook's value, so one that differs is a variable of the user's."""
+    hook = getattr(shell, "displayhook", None) if shell is not None else None
+    if hook is None:
+        return frozenset()
+    return frozenset(u for u in ("_", "__", "___")
+                     if u in namespace and dict.get(namespace, u) is not getattr(hook, u, None))
 
 
 def current_shell() -> Any | None:
@@ -62,12 +72,13 @@ def collect_roots(shell: Any | None = None, namespace: dict | None = None) -> Ro
         namespace = getattr(shell, "user_ns", None)
         if namespace is None:
             namespace = sys.modules["__main__"].__dict__
+    owned = user_owned_unders(shell, namespace)
     user = tuple(
-        (variable_path(k), v) for k, v in list(dict.items(namespace)) if is_user_name(k)
+        (variable_path(k), v) for k, v in list(dict.items(namespace)) if is_user_name(k) or k in owned
     )
     return Roots(
         user=user,
-        output_cache=tuple(_output_cache_roots(shell, namespace)),
+        output_cache=tuple(_output_cache_roots(shell, namespace, owned)),
         traceback=tuple(_traceback_roots(shell)),
         containers=(namespace,) + _shell_internals(shell),
     )
@@ -86,13 +97,14 @@ def _shell_internals(shell: Any | None) -> tuple[object, ...]:
     return tuple(parts)
 
 
-def _output_cache_roots(shell: Any | None, namespace: dict) -> list[tuple[str, object]]:
+def _output_cache_roots(shell: Any | None, namespace: dict,
+                        owned: frozenset[str] = frozenset()) -> list[tuple[str, object]]:
     roots: list[tuple[str, object]] = []
     out = namespace.get("Out")
     if type(out) is dict:
         roots += [(f"Out[{n!r}]", v) for n, v in list(out.items())]
     for name in ("_", "__", "___"):
-        if name in namespace:
+        if name in namespace and name not in owned:
             roots.append((name, namespace[name]))
     roots += [(k, v) for k, v in list(namespace.items())
               if isinstance(k, str) and _HISTORY_NAME.match(k) and not k.startswith("_i")]

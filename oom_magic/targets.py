@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import OomMagicError
 from .sizes import parse_size
@@ -240,9 +240,10 @@ def capped(torch_cuda: Any, device_index: int, fraction: float) -> Iterator[Cap]
         raise OomMagicError(f"memory fraction must be between 0 and 1, not {fraction!r}")
     previous = _current_fraction(torch_cuda, device_index)
     restore_to = 1.0 if previous is None else previous
-    torch_cuda.set_per_process_memory_fraction(float(fraction), device_index)
     cap = Cap(device_index=device_index, fraction=float(fraction), previous=previous, restore_to=restore_to)
     try:
+        # Inside the try: a Ctrl-C landing right after the fraction is set still puts it back.
+        torch_cuda.set_per_process_memory_fraction(float(fraction), device_index)
         yield cap
     except BaseException as exc:
         try:
@@ -253,3 +254,29 @@ def capped(torch_cuda: Any, device_index: int, fraction: float) -> Iterator[Cap]
         raise
     else:
         torch_cuda.set_per_process_memory_fraction(restore_to, device_index)
+
+
+# Caps a guard set and has not put back yet, by guard: a Ctrl-C can land on the first instruction
+# of the code that restores one (a with-block's __exit__), before any finally of ours runs; the
+# extension's after-cell hook then puts it back, so the next cell runs uncapped as before.
+_UNRELEASED: dict[int, Callable[[], object]] = {}
+
+
+def hold_cap(owner: object, release: Callable[[], object]) -> None:
+    """Remember how to put back a cap ``owner`` set, until it says it did (``cap_released``)."""
+    _UNRELEASED[id(owner)] = release
+
+
+def cap_released(owner: object) -> None:
+    """The owner put its cap back: nothing left to do for it after the cell."""
+    _UNRELEASED.pop(id(owner), None)
+
+
+def release_interrupted_caps(*_: object) -> None:
+    """After a cell: put back every cap an interrupted guard left set (an IPython post_execute hook)."""
+    while _UNRELEASED:
+        _, release = _UNRELEASED.popitem()
+        try:
+            release()
+        except Exception:  # a hook never raises into the user's cell; the guard's report has the note
+            pass

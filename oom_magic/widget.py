@@ -31,13 +31,13 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from html import escape
 from typing import TYPE_CHECKING, Any, Callable
 
 from .cleanup import FreeReport, free_stale
 from .errors import OomMagicError
 from .render.cell import (cell_bar_html, cell_caption, cell_details_html, cell_html, cell_text, free_button_label,
                           freed_line)
+from .render.units import escape  # html.escape, surrogate-safe
 from .roots import collect_roots
 from .snapshot import Snapshot, snapshot
 from .watch import (CellChange, CellRecord, CellReport, ScanCost, Thresholds, Watcher, WatchStatus, activate,

@@ -6,13 +6,12 @@ show the same figures. Every outside string (holder paths, process names, notes)
 """
 from __future__ import annotations
 
-from html import escape
 from typing import TYPE_CHECKING
 
 from .html import bar_html, bar_legend_html
 from .segments import memory_segments
 from .text import bar, table
-from .units import format_bytes
+from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
@@ -124,7 +123,7 @@ def cell_text(report: CellReport, *, pinned: bool = False, as_of: bool = False) 
     lines += table((g.path, format_bytes(g.bytes), g.kind) for g in groups)
     if snap.stale_bytes:
         lines.append(f"%freeall frees the {format_bytes(snap.stale_bytes)} of stale tensors")
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
 def watch_status_text(status: WatchStatus) -> str:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import math
 import re
-from html import escape
 from typing import TYPE_CHECKING, Iterable
 
-from .units import format_bytes
+from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
@@ -134,7 +133,7 @@ def lint_text(lint: Lint) -> str:
     """One line: the problem with its sizes, then the fix."""
     message = lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
     tag = "note" if lint.severity == "info" else "lint"
-    return f"{tag} (line {lint.line}): {message} → {lint.fix}"
+    return one_line(f"{tag} (line {lint.line}): {message} → {lint.fix}")
 
 
 def cleanup_line(report: FreeReport) -> str:
@@ -268,7 +267,7 @@ def preflight_text(preflight: Preflight) -> str:
         lines += [f"  note: {n}" for n in check.call.notes]
     lines += [lint_text(x) for x in preflight.lints]
     lines += [f"preflight: {n}" for n in preflight.notes]
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
 def refusal_line(preflight: Preflight) -> str:
@@ -285,8 +284,8 @@ def refusal_line(preflight: Preflight) -> str:
     where = target_label(check.target) if check.target is not None else check.device
     both = (f"; nor on this machine ({'RAM' if local.device == 'cpu' else local.device}): "
             f"{format_bytes(-(local.margin or 0))} short" if local is not None else "")
-    return (f"--strict: line {check.call.line} will not fit on {where}: needs {format_bytes(check.need)}, "
-            f"{format_bytes(short)} short{both}{hint}")
+    return one_line(f"--strict: line {check.call.line} will not fit on {where}: needs {format_bytes(check.need)}, "
+                    f"{format_bytes(short)} short{both}{hint}")
 
 
 def preflight_html(preflight: Preflight) -> str:
@@ -404,7 +403,7 @@ def cause_text(cause: Cause, device: str = "the device", target: Target | None =
         for option in cause.options:
             lines.append(f"   → a retry with {_OPTION_LABELS.get(option.kind, option.kind)} "
                          f"({format_bytes(option.device_bytes)}) fits now: {option_code(option)}")
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
 def retry_text(verdict: RetryVerdict) -> str:
@@ -435,7 +434,7 @@ def diagnosis_text(diagnosis: Diagnosis, target: Target | None = None) -> str:
         lines += ["  " + line for line in body[1:]]
     lines.append(retry_text(d.retry))
     lines += [f"note: {n}" for n in d.notes]
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
 def diagnosis_html(diagnosis: Diagnosis, target: Target | None = None) -> str:
@@ -464,7 +463,7 @@ def give_back_line(give_back: GiveBack, device: str) -> str:
     if g.reserved_freed:
         line += f"; cache emptied ({format_bytes(g.reserved_freed)} back to the driver)"
     if g.still_held_bytes:
-        holders = ", ".join(f"`{h}`" for h in g.still_held_by) or "something the walk could not name"
+        holders = ", ".join(f"`{one_line(h)}`" for h in g.still_held_by) or "something the walk could not name"
         line += f"\n  still held: {format_bytes(g.still_held_bytes)} of the failed load, by {holders}"
     return line
 
@@ -491,7 +490,7 @@ def short_message(report: GuardReport) -> str:
         if free is not None:
             what += f" with {format_bytes(free)} free"
     else:
-        what = f"{ran_out}: {(report.last.error or '').split(': ', 1)[-1][:160]}"
+        what = f"{ran_out}: {one_line((report.last.error or '').split(': ', 1)[-1][:160])}"
     back = report.give_back.total if report.give_back else 0
     top = report.diagnosis.top if report.diagnosis else None
     cause = f"; most likely: {cause_title(top)}" if top is not None else ""
@@ -551,9 +550,9 @@ def run_summary_text(report: GuardReport) -> str:
     """The after-the-cell summary: time, delta, peak, the variables it made."""
     r = report
     if r.outcome == "oom":
-        return short_message(r)
+        return one_line(short_message(r))
     if r.outcome == "error":
-        return f"{r.label}: the cell raised {r.last.error}"
+        return one_line(f"{r.label}: the cell raised {r.last.error}")
     tries = f" (attempt {len(r.attempts)})" if len(r.attempts) > 1 else ""
     measure = "resident memory" if r.device == "cpu" else "allocated"
     line = f"{r.label}: ran in {r.seconds:.2f} s{tries} on {r.device} · {measure} {format_bytes(r.delta, signed=True)}"
@@ -572,7 +571,7 @@ def run_summary_text(report: GuardReport) -> str:
     free_word = "available" if r.device == "cpu" else "free"
     lines.append(f"  {r.device}: {format_bytes(r.after.free)} {free_word} now")
     lines += [f"  note: {n}" for n in r.notes]
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
 def guard_report_text(report: GuardReport) -> str:
@@ -591,15 +590,15 @@ def guard_report_text(report: GuardReport) -> str:
         lines.append(rehearsal_line(r.rehearsal))
     for attempt in r.attempts:
         if attempt.outcome == "oom":
-            lines.append(f"attempt {attempt.number}: {attempt.error}")
+            lines.append(one_line(f"attempt {attempt.number}: {attempt.error}"))
             if attempt.give_back is not None:
                 lines.append(give_back_line(attempt.give_back, r.device))
             if attempt.diagnosis is not None:
                 lines.append(diagnosis_text(attempt.diagnosis, capped))
             if attempt.snapshot_file:
-                lines.append(f"allocator history: {attempt.snapshot_file}")
+                lines.append(one_line(f"allocator history: {attempt.snapshot_file}"))
     if r.snapshot and not any(a.snapshot_file for a in r.attempts):
-        lines.append(f"snapshot: {r.snapshot}")
+        lines.append(one_line(f"snapshot: {r.snapshot}"))
     lines.append(run_summary_text(r))
     return "\n".join(lines)
 

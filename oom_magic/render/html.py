@@ -1,12 +1,11 @@
 """Static HTML reports for notebooks and exports; every outside string is escaped."""
 from __future__ import annotations
 
-from html import escape
 from typing import TYPE_CHECKING
 
 from .segments import memory_segments
 from .text import free_report_text, usage_line
-from .units import format_bytes
+from .units import escape, format_bytes  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from .segments import Segment, memory_segments
-from .units import format_bytes
+from .units import format_bytes, one_line
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
@@ -37,7 +37,7 @@ def bar(segments: Iterable[Segment], total: int | None, width: int = BAR_WIDTH) 
 
 def table(rows: Iterable[tuple[str, ...]], indent: str = "  ") -> list[str]:
     """Left-align the first column, right-align the rest."""
-    rows = list(rows)
+    rows = [tuple(map(one_line, r)) for r in rows]
     if not rows:
         return []
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -73,7 +73,7 @@ def snapshot_text(snap: Snapshot) -> str:
                        for g in shown)
     lines.append(f"scanned {snap.objects_scanned:,} objects in {snap.scan_seconds * 1000:.1f} ms")
     lines += [f"note: {n}" for n in r.notes + snap.notes]
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
 def _process_label(p, kernel: KernelInfo | None = None) -> str:
@@ -116,4 +116,4 @@ def free_report_text(report: FreeReport) -> str:
                      + (f"; this process {format_bytes(before.process_used)} → {format_bytes(after.process_used)}"
                         if before.process_used is not None else ""))
     lines += [f"note: {n}" for n in report.notes]
-    return "\n".join(lines)
+    return "\n".join(map(one_line, lines))  # outside text stays on its line
