@@ -282,3 +282,24 @@ def test_top_level_await_in_a_guarded_cell_runs_in_a_real_kernel(kernel: Any) ->
     status, out = kernel("%%guardload -q\nawait asyncio.sleep(0)\nkz = await asyncio.sleep(0, result=3)")
     assert status == "ok", out
     assert kernel("print(kz)")[1][-1]["text"] == "3\n"
+
+
+@pytest.mark.parametrize("name", ["odd_cls", "odd_obj", "uh_cls", "uh_obj"])
+def test_a_guarded_cell_naming_an_uninspectable_object_runs_with_a_note(ip, name: str) -> None:
+    """Through the magic, torch imported (the guard's scans run): the cell runs, the preflight notes the skip."""
+    from tests.test_reliability_ii_torchfree import _odd_classes
+
+    ip.run_cell("import torch")
+    ip.user_ns.update(_odd_classes())
+    try:
+        report = ip.run_cell_magic("guardload", "--device cpu",
+                                   f"model = {name}.from_pretrained('ckpt')\nkept = torch.ones(1000)")
+        assert ip.user_ns["model"] == "loaded" and ip.user_ns["kept"].numel() == 1000
+        assert any(f"`{name}` was skipped: its metaclass" in n for n in report.preflight.notes)
+        assert report.outcome == "ok"
+        snap = ip.run_line_magic("gpumem", "-o --device cpu")  # the classes stay in the namespace
+        assert snap.held_by("kept") == 4000
+    finally:
+        ip.run_cell("del model, kept")
+        for key in _odd_classes():
+            ip.user_ns.pop(key, None)
