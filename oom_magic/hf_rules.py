@@ -87,8 +87,6 @@ def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[s
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    from .estimate import _build_on_meta
-
     quantized = dtype in ("int8", "nf4", "fp4")
     float_name = rest if quantized else dtype
     if float_name not in _FLOAT_BYTES:
@@ -195,3 +193,25 @@ def _four_bit_bytes(elements: int, double_quant: bool) -> int:
         return packed + 4 * blocks + _CODE_4BIT
     nested = -(-blocks // _NESTED_BLOCK)
     return packed + blocks + _CODE_4BIT + 4 * nested + 4
+
+
+def _build_on_meta(torch, transformers, model_config, dtype, label: str):  # type: ignore[no-untyped-def]
+    """Instantiate the config's architecture (else AutoModelForCausalLM, else AutoModel) on meta.
+
+    In this process only when the cell runs a transformers load anyway (config-only sizing, which
+    may not, builds in a bounded child: config_size.py).
+    """
+    candidates = []
+    for arch in getattr(model_config, "architectures", None) or []:
+        found = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
+        if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel):
+            candidates.append(found._from_config)
+    candidates += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
+    error: Exception | None = None
+    for build in candidates:
+        try:
+            with torch.device("meta"):
+                return build(model_config, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001 - model constructors raise anything
+            error = error or exc
+    raise ValueError(f"{label}: transformers cannot build this model ({type(error).__name__})")
