@@ -119,7 +119,8 @@ def really_held(path: Path, dtype: str) -> int:
     return _held(model, sized)
 
 
-def _measure_peak(path: Path, dtype: str) -> dict[str, int]:
+def measure_peak(path: Path, dtype: str) -> dict[str, int]:
+    """A real load's host peak and what it keeps, in a fresh process (VmHWM reset before it)."""
     done = subprocess.run([sys.executable, "-c", _MEASURE, str(path), dtype], capture_output=True, text=True,
                           timeout=600, check=True, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -154,7 +155,7 @@ def run() -> dict[str, Any]:
             path = root / f"big-{name}-{saved}"
             _build(name, big=True).to(getattr(torch, saved)).save_pretrained(path)
             predicted = load_peak(estimate_checkpoint(path, follow_transformers=False), dtype)
-            measured = _measure_peak(path, dtype)
+            measured = measure_peak(path, dtype)
             peaks.append({"model": name, "saved": saved, "dtype": dtype, "loaded": predicted.loaded if predicted else None,
                           "predicted": predicted.peak if predicted else None, "mapped": predicted.mapped if predicted else None,
                           "measured_peak": measured["peak"], "measured_after": measured["after"]})

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as T
 
+from benchmarks.bench_estimate_truth import really_held  # the same ground truth as ESTIMATES.md
 from oom_magic.estimate import estimate_checkpoint
 
 
@@ -42,47 +43,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-def _loaded_bytes(model: torch.nn.Module, sized=None) -> int:  # type: ignore[no-untyped-def]
-    """Parameters and persistent buffers of a loaded model, each once; ``sized`` may size a module's weight."""
-    seen: set[int] = set()
-    total = 0
-    for module_name, module in model.named_modules():
-        items = list(module._parameters.items()) + [
-            (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
-        for name, tensor in items:
-            if tensor is None or id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            custom = sized(module_name, module, name, tensor) if sized else None
-            total += custom if custom is not None else tensor.numel() * tensor.element_size()
-    return total
-
-
 def held_as_bitsandbytes(path: Path, kind: str) -> int:
-    """int8/nf4 truth: the loaded model with its replaceable Linear weights in bitsandbytes' layout."""
-    from transformers.quantizers.base import HfQuantizer
-    from transformers.quantizers.quantizers_utils import should_convert_module
-    from transformers.pytorch_utils import Conv1D
-
-    cls = getattr(T, T.AutoConfig.from_pretrained(path).architectures[0])
-    model = cls.from_pretrained(path, dtype=torch.bfloat16)
-    skip = HfQuantizer.get_modules_to_not_convert(model, None, sorted(model._keep_in_fp32_modules or ()))
-
-    def sized(module_name, module, name, tensor):  # type: ignore[no-untyped-def]
-        linear = type(module) is torch.nn.Linear or isinstance(module, Conv1D)
-        if name != "weight" or not linear or not should_convert_module(module_name, skip):
-            return None
-        n = tensor.numel()
-        if kind == "int8":  # Linear8bitLt: int8 CB + float32 SCB per output row
-            return n + 4 * (tensor.shape[1] if isinstance(module, Conv1D) else tensor.shape[0])
-        return (n + 1) // 2 + 4 * -(-n // 64) + 64  # Linear4bit: packed codes, absmax per 64, 16-float code
-
-    return _loaded_bytes(model, sized)
+    """int8/nf4 truth: the loaded model with its replaceable weights in bitsandbytes' layout (the benchmark's own)."""
+    return really_held(path, kind)
 
 
 def held_as_loaded(path: Path, dtype: torch.dtype) -> int:
-    cls = getattr(T, T.AutoConfig.from_pretrained(path).architectures[0])
-    return _loaded_bytes(cls.from_pretrained(path, dtype=dtype))
+    """What a real load in ``dtype`` holds: parameters and persistent buffers, each once."""
+    return really_held(path, str(dtype).removeprefix("torch."))
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])

@@ -6,15 +6,13 @@ and read after (VmHWM), so the figure is the load's own peak. Linux only.
 """
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers as T
 
+from benchmarks.bench_estimate_truth import measure_peak  # the same measurement as ESTIMATES.md
 from oom_magic.estimate import estimate_checkpoint
 from oom_magic.load_peak import load_peak
 from oom_magic.preflight import preflight_check
@@ -22,19 +20,6 @@ from oom_magic.preflight import preflight_check
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 
-_MEASURE = r'''
-import json, re, sys, gc, torch, transformers as T
-path, dtype = sys.argv[1], getattr(torch, sys.argv[2])
-def status(key):
-    return int(re.search(rf"{key}:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
-cls = getattr(T, T.AutoConfig.from_pretrained(path).architectures[0])
-gc.collect()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # reset VmHWM to the current RSS
-before = status("VmRSS")
-model = cls.from_pretrained(path, dtype=dtype)
-print(json.dumps({"peak": status("VmHWM") - before, "after": status("VmRSS") - before}))
-'''
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +36,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _measure(path: Path, dtype: str) -> dict[str, int]:
-    done = subprocess.run([sys.executable, "-c", _MEASURE, str(path), dtype], capture_output=True, text=True,
-                          timeout=300, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """A real load's host peak, in a fresh process (the benchmark's own measurement)."""
+    return measure_peak(path, dtype)
 
 
 def test_bf16_checkpoint_loaded_as_float32_peaks_at_weights_plus_file(models):
