@@ -118,15 +118,21 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         # The cleanup is done (names deleted, stale references dropped): a failure from here on is in
         # measuring it, so it becomes a note; raising now would hide that the names are gone.
         deleted, after, gone, still = names, before, set(), ()
+        # Nothing named and nothing stale (garbage included: the scan found none): no collection and
+        # no second scan, which a guarded cell would pay for on every run; the caches still empty.
+        freeing = bool(names) or any(kind in STALE_KINDS for kind in kind_before.values())
+        after_live = None
         try:
-            gc.collect()
+            if freeing:
+                gc.collect()
             _empty_caches(torch, where)
             after = read_device(where, nvml)
-            after_live = find_tensors(torch, where)
+            after_live = find_tensors(torch, where) if freeing else None
         except Exception as exc:
+            after_live = None
             notes.append(f"the cleanup ran, but measuring what it gave back failed ({_why(exc)}): "
                          "%gpumem shows the device now")
-        else:
+        if after_live is not None:
             try:
                 gone = set(storages) - set(after_live.storages)
                 try:

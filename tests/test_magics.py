@@ -285,3 +285,24 @@ def test_the_syntax_check_is_registered_once_and_unloaded(ip):
     fresh = ip.magics_manager.registry["OomMagics"]
     assert sum(type(t).__name__ == "GuardedCellSyntax" for t in ip.input_transformers_cleanup) == 1
     assert fresh.syntax_check in ip.input_transformers_cleanup
+
+
+def test_freeall_with_nothing_stale_neither_collects_nor_scans_again(ip, monkeypatch):
+    """A guarded cell's cleanup runs %freeall's code each time: with nothing to free it costs one scan."""
+    import gc as gc_module
+
+    import oom_magic.cleanup as cleanup
+
+    ip.run_cell("import torch\nkept = torch.ones(1000)")
+    ip.run_line_magic("freeall", "--device cpu")  # whatever earlier tests left
+    calls = {"collect": 0, "scan": 0}
+    real_scan = cleanup.find_tensors
+    monkeypatch.setattr(gc_module, "collect", lambda *a: calls.__setitem__("collect", calls["collect"] + 1) or 0)
+    monkeypatch.setattr(cleanup, "find_tensors",
+                        lambda *a, **k: calls.__setitem__("scan", calls["scan"] + 1) or real_scan(*a, **k))
+    report = ip.run_line_magic("freeall", "--device cpu")
+    assert report.freed_bytes == 0 and calls == {"collect": 0, "scan": 1}
+    monkeypatch.undo()
+    ip.run_cell("torch.ones(2000)")  # stale in the output cache now: collected and measured
+    assert ip.run_line_magic("freeall", "--device cpu").kind_bytes("output-cache") == 8000
+    ip.run_cell("del kept")
