@@ -738,7 +738,7 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> Iterator[_Stored]:
         raise OomMagicError(f"{label}: cannot read it ({exc.strerror or exc})") from None
     except (
         zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, OverflowError,
-        struct.error, IndexError, KeyError,
+        struct.error, IndexError, KeyError, RuntimeError,  # RuntimeError: an entry flagged encrypted
     ) as exc:
         if isinstance(exc, OomMagicError):
             raise

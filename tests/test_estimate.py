@@ -607,3 +607,24 @@ def test_fuzz_mutated_torch_zip(fuzz_dir: Path, zip_bytes: bytes, edits: list, i
             data[at % len(data)] = value
         path.write_bytes(bytes(data))
     _check_outcome(path)
+
+
+def test_a_torch_zip_whose_data_pkl_is_flagged_encrypted_is_refused_in_one_line(tmp_path):
+    """zipfile raises RuntimeError ('password required') for such an entry: the reader says what is wrong."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"w": torch.ones(4)}, buffer)
+    data = bytearray(buffer.getvalue())
+    name = b"data.pkl"
+    central = data.find(b"PK\x01\x02")
+    while central != -1:  # set the 'encrypted' bit of data.pkl's central directory entry
+        length = int.from_bytes(data[central + 28:central + 30], "little")
+        if data[central + 46:central + 46 + length].endswith(name):
+            data[central + 8] |= 0x1
+        central = data.find(b"PK\x01\x02", central + 4)
+    path = tmp_path / "encrypted.pt"
+    path.write_bytes(bytes(data))
+    with pytest.raises(OomMagicError) as raised:
+        estimate_checkpoint(path)
+    assert "\n" not in str(raised.value) and "encrypted.pt" in str(raised.value)
