@@ -892,6 +892,8 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
                 text = f"[{key}]" if key.isdigit() else f".{key}"
             elif as_attr and type(key) is str and key.isidentifier():
                 text = f".{key}"
+            elif as_attr and type(key) is str:  # an attribute no `obj.name` can spell: as it is reached
+                text = f".__dict__[{_key_repr(key)}]"
             else:
                 text = f"[{_key_repr(key)}]"
             module_child = as_attr and type(key) is str and key in _MODULE_CHILD_DICTS
