@@ -95,7 +95,9 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
     complete = True
     user_exhausted = False
-    stale_objects = [o for _, o in roots.output_cache + roots.traceback]
+    # The stale roots, and each stored exception's tracebacks and frames: cleanup keeps any of
+    # them a user variable reaches (`fr = err.__traceback__.tb_frame`).
+    stale_objects = [o for _, o in roots.output_cache] + _traceback_parts([o for _, o in roots.traceback])
     user_reached: set[int] = set()
     try:
         if wanted:
@@ -127,8 +129,34 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     return Attribution(holders, complete, nodes, frozenset(user_reached))
 
 
+_TB_OF = BaseException.__dict__["__traceback__"].__get__  # C-level reads: no user property runs
+_CAUSE_OF = BaseException.__dict__["__cause__"].__get__
+_CONTEXT_OF = BaseException.__dict__["__context__"].__get__
+
+
+def _traceback_parts(objects: list[Any]) -> list[Any]:
+    """The objects, and for exceptions and tracebacks among them every traceback and frame of
+    their chains (causes and contexts included), each once."""
+    found: dict[int, Any] = {}
+    stack = list(objects)
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in found:
+            continue
+        found[id(item)] = item
+        try:
+            if isinstance(item, BaseException):
+                stack += [_TB_OF(item), _CAUSE_OF(item), _CONTEXT_OF(item)]
+            elif type(item) is types.TracebackType:
+                stack += [item.tb_frame, item.tb_next]
+        except Exception:
+            continue
+    return list(found.values())
+
+
 def _reached(walk: Walk, objects: list[Any]) -> set[int]:
-    return {id(o) for o in objects if walk.reached(id(o))}
+    """Which of ``objects`` a walk from the user's variables alone reached (a variable itself counts)."""
+    return {id(o) for o in objects if walk.seen(id(o))}
 
 
 def _user_reach(roots: Roots, live: LiveTensors, objects: list[Any], deadline: float,

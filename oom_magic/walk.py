@@ -257,6 +257,10 @@ class Walk:
         flush()
         return level
 
+    def seen(self, obj_id: int) -> bool:
+        """Whether the walk reached this object or started from it (a root counts)."""
+        return obj_id in self.visited and obj_id not in self._skip
+
     def reached(self, obj_id: int) -> bool:
         """Whether the walk reached this object from a root (a root itself does not count)."""
         return obj_id in self.visited and obj_id not in self._skip and obj_id not in self.roots
