@@ -242,6 +242,8 @@ class CellWatch:
 
     def _after(self, result: ExecutionResult) -> None:
         started = time.perf_counter()
+        if result is None:  # a Ctrl-C inside IPython's own cell bookkeeping: no cell to compare
+            return
         info = getattr(result, "info", None)
         if info is not None and getattr(info, "silent", False):
             return

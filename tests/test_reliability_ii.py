@@ -23,6 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from oom_magic.holders import forget_paths  # noqa: E402
 from oom_magic.roots import is_user_name  # noqa: E402
 from tests.test_guard_target import GuardFakeCuda, fake_gpu  # noqa: E402,F401  (fake_gpu: the FAKE GPU fixture)
 
@@ -71,6 +72,7 @@ def test_freeall_names_every_holder_of_a_deleted_tensor(ip) -> None:
 def _call_sites(action: Callable[[], Any]) -> list[Any]:
     """The oom_magic functions (code objects) an action enters, in first-call order."""
     seen: dict[Any, None] = {}
+    forget_paths()
 
     def tracer(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and "oom_magic" in frame.f_code.co_filename:
@@ -87,6 +89,7 @@ def _call_sites(action: Callable[[], Any]) -> list[Any]:
 def _interrupted(action: Callable[[], Any], site: Any) -> bool:
     """Run the action with a Ctrl-C delivered as ``site`` is first entered; True if it was delivered."""
     fired: list[bool] = []
+    forget_paths()  # every run walks as the first did (remembered holder paths would skip the walk's steps)
 
     def tracer(frame: Any, event: str, arg: Any) -> None:
         if event == "call" and not fired and frame.f_code is site:
@@ -127,20 +130,30 @@ def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_h
         ip.run_cell("torch.ones(3000)")  # an output-cache tensor
 
     prepare()
-    sites = _call_sites(lambda: _run(ip, "%freeall x"))
+    first = _call_sites(lambda: _run(ip, "%freeall x"))
+    prepare()
+    again = set(_call_sites(lambda: _run(ip, "%freeall x")))
+    # Functions every run enters (one-time work such as a cached type table runs on the first only).
+    # The after-cell hook's own steps (watch.py, widget.py) run in IPython's cell callbacks, which
+    # catch a Ctrl-C themselves ("Error in callback"); the hook has its own interrupt tests.
+    sites = [s for s in first if s in again and not s.co_filename.endswith(("watch.py", "widget.py"))]
     assert len(sites) > 20
     delivered = 0
+    missed: list[str] = []
     for site in sites:
         prepare()
         before = _user_state(ip)
-        delivered += _interrupted(lambda: _run(ip, "%freeall x"), site)
+        landed = _interrupted(lambda: _run(ip, "%freeall x"), site)
+        delivered += landed
+        if not landed:
+            missed.append(f"{site.co_filename.rsplit('/', 1)[-1]}:{site.co_name}")
         after = _user_state(ip)
         assert gc.isenabled() and sys.gettrace() is None, site
         # x is either still there (as it was) or deleted; everything else is exactly as before.
         assert after.get("x", before["x"]) == before["x"], site
         assert {k: v for k, v in after.items() if k != "x"} == {k: v for k, v in before.items() if k != "x"}, site
         assert ip.run_cell("assert keep.sum() == 1000 and other['k'] is keep").error_in_exec is None, site
-    assert delivered >= 0.9 * len(sites)  # a few functions run only on some paths (a branch in a later run)
+    assert delivered >= 0.9 * len(sites), missed  # a few functions run only on some paths (a branch in a later run)
     assert ip.run_line_magic("freeall", "").dry_run is False  # and %freeall still works
 
 
@@ -160,7 +173,9 @@ def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gp
     delivered = 0
     done: set[Any] = set()  # a function interrupted on one path is not interrupted again on the next
     for label, cell in cells.items():
-        sites = [s for s in _call_sites(lambda: _run(ip, cell)) if s not in done]
+        again = set(_call_sites(lambda: _run(ip, cell)))  # functions every run enters, not one-time work
+        sites = [s for s in _call_sites(lambda: _run(ip, cell)) if s not in done and s in again
+                 and not s.co_filename.endswith(("watch.py", "widget.py"))]  # the hook: see above
         done.update(sites)
         for site in sites:
             before = _user_state(ip)
