@@ -243,6 +243,9 @@ def test_an_earlier_widget_keeps_its_cells_state_and_says_which_cell(ip, watch) 
 
 
 def test_an_older_widgets_button_refreshes_it_to_now(ip, watch) -> None:
+    # A widget under every cell: late in a long session the allocator reuses freed pages, so 32 MiB
+    # may not move the resident set (the default 'changes' would show no widget at all).
+    ip.run_line_magic("config", "OomMagics.auto_display = 'always'")
     run(ip, "torch.ones(8 << 20) * 3")  # 32 MiB kept only by Out[N]: the widget offers the button
     older = watch.live[-1]
     run(ip, "c = torch.ones(16 << 20)")
@@ -252,6 +255,7 @@ def test_an_older_widgets_button_refreshes_it_to_now(ip, watch) -> None:
     assert " · stale 0 B · " in older.caption.value
     run(ip, "d = torch.ones(16 << 20)")  # newer again: its figures are those of the click
     assert older.caption.value.startswith("as of the click · cpu · ")
+    ip.run_line_magic("config", "OomMagics.auto_display = 'changes'")  # the default, for the tests after
 
 
 def test_the_bar_has_a_legend_with_bytes_and_labels(ip, watch) -> None:
