@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -118,8 +119,11 @@ def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    # Its answer goes to a file, not a pipe: a big model's rows fill a pipe's 64 KiB and the child
+    # would block writing them while this loop waits for it to exit.
+    answer_file = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(config.parent), declared or ""],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+                            stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
     try:
         watched = psutil.Process(proc.pid)
         deadline = time.monotonic() + TIME_LIMIT
@@ -135,13 +139,13 @@ def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple
                 raise OomMagicError(f"{config.name}: building the model it describes took longer than "
                                     f"{TIME_LIMIT:g} s; stopped, not sized")
             time.sleep(0.05)
-        out = proc.stdout.read() if proc.stdout is not None else b""
+        answer_file.seek(0)
+        out = answer_file.read()
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        answer_file.close()
     try:
         answer = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError):

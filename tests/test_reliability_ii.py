@@ -319,3 +319,15 @@ def test_a_guarded_cell_naming_an_uninspectable_object_runs_with_a_note(ip, name
         ip.run_cell("del model, kept")
         for key in _odd_classes():
             ip.user_ns.pop(key, None)
+
+
+def test_config_only_sizing_of_a_deep_model_returns_every_row(tmp_path) -> None:
+    """400 layers: the child's answer (3,603 rows) is larger than a pipe holds; it must still arrive."""
+    from oom_magic.config_size import size_from_config
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "num_hidden_layers": 400, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rows = size_from_config(tmp_path / "config.json", None)
+    assert len(rows) == 400 * 9 + 3  # per layer 7 linear weights and 2 norms; embeddings, final norm, head
