@@ -8,7 +8,8 @@ from __future__ import annotations
 import gc
 import sys
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from ._torch import cuda_initialized, loaded_torch
 from .devices import DeviceReading, read_device, resolve_device

@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import NoReturn, Sequence
+from typing import NoReturn
+from collections.abc import Sequence
 
 from .fit import DTYPES, QUANTIZATIONS
 

@@ -17,7 +17,8 @@ Causes, in the order used to break ties:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
 
 from .oom import OOMMessage, parse_oom_message
 

@@ -30,7 +30,8 @@ import time
 import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, MutableMapping, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+from collections.abc import Callable, Iterator, MutableMapping
 
 from ._torch import cuda_initialized, loaded_torch
 from .cleanup import FreeReport, free_stale

@@ -27,7 +27,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
 
 __all__ = ["KernelInfo", "find_jupyter_kernels"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
@@ -30,7 +30,6 @@ def _show(result: object) -> None:
         from IPython.display import display
 
         display(result)
-    return None
 
 
 def _parse_line(magic: object, line: str) -> object:
@@ -294,7 +293,7 @@ def _quiet(report: GuardReport) -> GuardReport:
     return _quiet_type()(**{f.name: getattr(report, f.name) for f in fields(report)})
 
 
-@lru_cache(maxsize=None)
+@cache
 def _quiet_type() -> type:
     """GuardReport with a one-line display; made once, when --quiet is first used (guard.py loads lazily)."""
     from .guard import GuardReport

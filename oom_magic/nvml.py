@@ -15,7 +15,8 @@ import re
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 __all__ = [
     "Nvml",
@@ -403,9 +404,7 @@ class Nvml:
                     continue
                 used = _bytes(getattr(item, "usedGpuMemory", None))
                 # A pid listed twice (compute and graphics) holds one allocation: keep the larger.
-                if pid not in by_pid:
-                    by_pid[pid] = used
-                elif used is not None and (by_pid[pid] is None or used > by_pid[pid]):  # type: ignore[operator]
+                if pid not in by_pid or used is not None and (by_pid[pid] is None or used > by_pid[pid]):
                     by_pid[pid] = used
         if failures:
             self.processes_note = "NVML could not list processes (" + "; ".join(failures) + ")"

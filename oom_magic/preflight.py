@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from types import ModuleType
-from typing import Any, Iterator, Mapping
+from typing import Any
+from collections.abc import Iterator, Mapping
 
 from .checkpoints import CheckpointKeys, read_checkpoint_keys
 from .holders import instance_dict as _instance_dict
@@ -792,7 +793,7 @@ def _own_calls(stmt: ast.stmt) -> Iterator[ast.Call]:
         if isinstance(node, ast.Call):
             yield node
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.stmt) or isinstance(child, (ast.FunctionDef, ast.Lambda)):
+            if isinstance(child, (ast.stmt, ast.Lambda)):  # a def is a statement too
                 continue
             stack.append(child)
 
@@ -1049,7 +1050,7 @@ class _Budgets:
         if self.free_override is not None:
             return self.free_override, self.total_override, context, None
         if device == "cpu":
-            free, limit = usable_ram()
+            free, _ = usable_ram()
             total = self._ram_total()
             return free, total, 0, None if free is not None else "psutil could not read the RAM"
         from .devices import available_devices, read_device

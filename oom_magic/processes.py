@@ -9,7 +9,8 @@ import os
 import re
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 from .nvml import NvmlProcess
 

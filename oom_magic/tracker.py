@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from itertools import compress
 from types import ModuleType
 from functools import wraps
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator
 
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})

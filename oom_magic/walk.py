@@ -30,7 +30,8 @@ import sys
 import time
 import types
 from itertools import chain, compress, count, islice, repeat
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 # What the walk does with an object, decided once per type (by the type's id).
 GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP, LATER, SEQ = range(8)
@@ -990,9 +991,7 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = No
             if pending_attr:
                 pending_attr = False
                 obj = _read_attribute(obj, step[1])
-            elif type(obj) is dict:
-                obj = dict.get(obj, step[1], _MISSING)
-            elif mro_has(type(obj), dict) and is_plain_key(step[1]):
+            elif type(obj) is dict or mro_has(type(obj), dict) and is_plain_key(step[1]):
                 obj = dict.get(obj, step[1], _MISSING)
             else:
                 return _MISSING

@@ -31,7 +31,8 @@ import sys
 import time
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 from .cleanup import FreeReport, free_stale
 from .errors import OomMagicError

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 

@@ -1,7 +1,8 @@
 """Aligned plain-text reports for terminals and text/plain exports."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 from .segments import Segment, memory_segments
 from .units import format_bytes, one_line
