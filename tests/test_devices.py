@@ -6,7 +6,6 @@ nvidia-ml-py 13's. Readings are asserted exactly.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from oom_magic.devices import available_devices, read_device, resolve_device
 from oom_magic.errors import OomMagicError
 from oom_magic.nvml import Nvml
 from oom_magic.snapshot import snapshot
+from tests.conftest import ready_process
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 
 GiB = 1 << 30
@@ -25,11 +25,9 @@ MiB = 1 << 20
 @pytest.fixture
 def kernel_process():
     """A real process whose command line looks like an ipykernel launch."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "-f",
-                             "/tmp/kernel-1234abcd.json"])
-    yield proc
-    proc.kill()
-    proc.wait()
+    with ready_process([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)", "-f",
+                        "/tmp/kernel-1234abcd.json"]) as proc:  # 'ready' comes after exec: its own argv
+        yield proc
 
 
 def two_gpus(*processes) -> Nvml:

@@ -17,6 +17,7 @@ import pytest
 
 from oom_magic.nvml import Nvml, NvmlProcess
 from oom_magic.processes import ProcessInfo, describe_processes, looks_like_jupyter_kernel
+from tests.conftest import ready_process
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml, GiB, MiB
 
 ME = pwd.getpwuid(os.getuid()).pw_name
@@ -26,16 +27,11 @@ PYTHON_NAME = os.path.basename(sys.executable)
 @pytest.fixture
 def sleepers() -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes]]]:
     """A plain python sleeper and one whose argv looks like an ipykernel launch."""
-    plain = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    kernel = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(30)", "-f", "/tmp/kernel-abc.json"]
-    )
-    try:
+    # 'ready' is printed after exec: between fork and exec a child still shows pytest's command line
+    sleep = "import time; print('ready', flush=True); time.sleep(30)"
+    with ready_process([sys.executable, "-c", sleep]) as plain, \
+            ready_process([sys.executable, "-c", sleep, "-f", "/tmp/kernel-abc.json"]) as kernel:
         yield plain, kernel
-    finally:
-        for proc in (plain, kernel):
-            proc.kill()
-            proc.wait()
 
 
 def test_real_processes_on_a_gpu_are_named_and_kernels_flagged(
