@@ -339,6 +339,7 @@ _OPTIMIZER_KEY = re.compile(r"optim|sched|^scaler$|^grad_scaler$|^amp$", re.IGNO
 _MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net", "model_state", "weights", "params")
 _COMPRESSION = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "LZMA"}
 _FIX = "re-save it with torch.save or pass a safetensors file"
+_ZIP_ENCRYPTED = 0x1  # zip general-purpose flag bit 0: zipfile refuses to open the member without a password
 
 
 @dataclass(frozen=True)
@@ -446,6 +447,8 @@ def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) ->
         # torch.load (miniz) reads stored and deflated members only.
         method = _COMPRESSION.get(info.compress_type, f"method {info.compress_type}")
         raise OomMagicError(f"{label}: data.pkl is compressed with {method}, which torch.load cannot read; {_FIX}")
+    if info.flag_bits & _ZIP_ENCRYPTED:
+        raise OomMagicError(f"{label}: data.pkl is marked encrypted, which torch.load cannot read; {_FIX}")
     if info.compress_type == zipfile.ZIP_DEFLATED:
         too_big = (f"{label}: data.pkl is compressed past {cap} MiB (torch.save stores it uncompressed, and "
                    f"far smaller); keys not read: {_FIX}")

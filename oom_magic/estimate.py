@@ -98,6 +98,7 @@ _MAX_READ_HEADER_BYTES = 4 * 1024 * 1024
 _MAX_HEADER_VALUES = 500_000
 _MAX_ZIP_MEMBERS = 100_000  # a torch.save zip holds one member per storage plus ~6
 _MAX_PICKLE_BYTES = 16 * 1024 * 1024  # a 70B state dict's data.pkl is ~100 KB
+_ZIP_ENCRYPTED = 0x1  # zip general-purpose flag bit 0: zipfile refuses to open the member without a password
 # The opcode walk stops (sizes stay exact, dtypes unknown) past these: ~10,000 tensors' worth of
 # opcodes, and a bound on what the symbolic stack and memo hold, whatever the bytes say.
 _MAX_PICKLE_OPS = 250_000
@@ -732,13 +733,17 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> Iterator[_Stored]:
                     raise OomMagicError(
                         f"{label}: data.pkl is compressed, which torch.save never does; not a torch checkpoint"
                     )
+                if pickle_info.flag_bits & _ZIP_ENCRYPTED:
+                    raise OomMagicError(
+                        f"{label}: data.pkl is marked encrypted, which torch.save never does; not a torch checkpoint"
+                    )
                 with archive.open(pickle_info) as member:
                     raw = member.read(_MAX_PICKLE_BYTES + 1)
     except OSError as exc:
         raise OomMagicError(f"{label}: cannot read it ({exc.strerror or exc})") from None
     except (
         zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, OverflowError,
-        struct.error, IndexError, KeyError, RuntimeError,  # RuntimeError: an entry flagged encrypted
+        struct.error, IndexError, KeyError, RuntimeError,  # zipfile: encrypted or unsupported members
     ) as exc:
         if isinstance(exc, OomMagicError):
             raise

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from oom_magic.checkpoints import read_checkpoint_keys
 from oom_magic.errors import OomMagicError
 from oom_magic.estimate import CheckpointEstimate, estimate_checkpoint, resolve_checkpoint
 
@@ -609,22 +610,30 @@ def test_fuzz_mutated_torch_zip(fuzz_dir: Path, zip_bytes: bytes, edits: list, i
     _check_outcome(path)
 
 
-def test_a_torch_zip_whose_data_pkl_is_flagged_encrypted_is_refused_in_one_line(tmp_path):
-    """zipfile raises RuntimeError ('password required') for such an entry: the reader says what is wrong."""
-    import io
+def _flag_data_pkl(zip_bytes: bytes, bits: int) -> bytes:
+    """The zip with data.pkl's central-directory flag bits OR'd with bits (what zipfile checks on open)."""
+    data = bytearray(zip_bytes)
+    at = data.index(b"PK\x01\x02")
+    while not data[at + 46:].startswith(b"archive/data.pkl"):
+        at = data.index(b"PK\x01\x02", at + 4)
+    flags = int.from_bytes(data[at + 8:at + 10], "little") | bits
+    data[at + 8:at + 10] = flags.to_bytes(2, "little")
+    return bytes(data)
 
-    buffer = io.BytesIO()
-    torch.save({"w": torch.ones(4)}, buffer)
-    data = bytearray(buffer.getvalue())
-    name = b"data.pkl"
-    central = data.find(b"PK\x01\x02")
-    while central != -1:  # set the 'encrypted' bit of data.pkl's central directory entry
-        length = int.from_bytes(data[central + 28:central + 30], "little")
-        if data[central + 46:central + 46 + length].endswith(name):
-            data[central + 8] |= 0x1
-        central = data.find(b"PK\x01\x02", central + 4)
-    path = tmp_path / "encrypted.pt"
-    path.write_bytes(bytes(data))
-    with pytest.raises(OomMagicError) as raised:
+
+@pytest.mark.parametrize(
+    "bits, says",
+    [(0x1, "data.pkl is marked encrypted"), (0x20, "damaged zip archive"), (0x40, "damaged zip archive")],
+    ids=["encrypted", "patched-data", "strong-encryption"],
+)
+def test_a_data_pkl_zipfile_cannot_open_is_a_one_line_error(tmp_path: Path, zip_bytes: bytes, bits: int, says: str) -> None:
+    """Found by test_fuzz_mutated_torch_zip: one flipped flag bit made zipfile raise RuntimeError
+    (encrypted) or NotImplementedError out of the checkpoint readers; both refuse it in one line."""
+    path = tmp_path / "pytorch_model.bin"
+    path.write_bytes(_flag_data_pkl(zip_bytes, bits))
+    with pytest.raises(OomMagicError, match=says) as estimated:
         estimate_checkpoint(path)
-    assert "\n" not in str(raised.value) and "encrypted.pt" in str(raised.value)
+    with pytest.raises(OomMagicError, match=says) as keyed:
+        read_checkpoint_keys(path)
+    for exc in (estimated.value, keyed.value):
+        assert "\n" not in str(exc) and "pytorch_model.bin" in str(exc)
