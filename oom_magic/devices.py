@@ -123,10 +123,19 @@ def _no_cuda_reason(nvml: Nvml | None) -> str | None:
     return f"NVML failed: {failed}" if failed else None
 
 
+def cuda_index(device: str) -> int | None:
+    """The ordinal of a ``cuda`` / ``cuda:N`` device string (``cuda`` is 0); None for any other kind."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return None
+    return int(index) if index.isdigit() else 0
+
+
 def read_device(device: str, nvml: Nvml | None = None) -> DeviceReading:
     """Read one device (``cuda:N``, ``mps`` or ``cpu``) without creating a CUDA context."""
-    if device.startswith("cuda"):
-        return _read_cuda(int(device.partition(":")[2] or 0), nvml or default_nvml())
+    index = cuda_index(device)
+    if index is not None:
+        return _read_cuda(index, nvml or default_nvml())
     if device == "mps":
         return _read_mps()
     return _read_cpu()
