@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test test-pythons lab bench gpu-check ui-deps clean
+.PHONY: demo test lint test-pythons lab bench gpu-check ui-deps clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -31,6 +31,11 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -q
+
+# ruff over the package and tests' imports, mypy over the package (config in pyproject.toml).
+lint: $(VENV)/.test
+	$(BIN)/python -m ruff check oom_magic
+	$(BIN)/python -m mypy
 
 # Every Python that pyproject's requires-python admits, without torch (venvs in .venvs/pyXY, made once):
 # import every module, ruff's undefined-name check for that version, and the torch-free tests.
