@@ -38,6 +38,12 @@ class Shown:
 
     __slots__ = ()
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # IPython's pretty printer walks the MRO and stops at the first class defining __repr__, which
+        # @dataclass writes into every record: a _repr_pretty_ in the record's own dict comes first.
+        cls._repr_pretty_ = Shown._repr_pretty_  # type: ignore[method-assign]
+
     def __str__(self) -> str:
         found = renderer_for(self)
         return found.text(self) if found is not None else repr(self)
