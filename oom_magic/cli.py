@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(json.dumps(fit_dict(preflight), indent=2) if args.json else fit_text(preflight), flush=True)
     except BrokenPipeError:  # `oom-magic fit ... | head`: the reader left; the exit status still tells
-        sys.stdout = None  # type: ignore[assignment]  # no second error when Python flushes at exit
+        sys.stdout = None  # no second error when Python flushes at exit
     if preflight.fits is None:
         fix = ""
         if not args.target and any((c.reason or "").startswith("this machine has no") for c in preflight.checks):

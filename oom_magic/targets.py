@@ -276,7 +276,7 @@ def cap_released(owner: object) -> None:
 def release_interrupted_caps(*_: object) -> None:
     """After a cell: put back every cap an interrupted guard left set (an IPython post_execute hook)."""
     while _UNRELEASED:
-        _, release = _UNRELEASED.popitem()
+        _owner, release = _UNRELEASED.popitem()
         try:
             release()
         except Exception:  # a hook never raises into the user's cell; the guard's report has the note
