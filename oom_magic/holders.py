@@ -1,6 +1,6 @@
 """Say who holds each storage: a user variable's path, the output cache, a traceback, garbage.
 
-First match wins, in DESIGN.md's order: user → output-cache → traceback → garbage → other.
+First match wins, in this order: user → output-cache → traceback → garbage → other.
 The walk (walk.py) reaches objects through the interpreter's own traversal and names only the
 storages found, with C-level reads, so a hostile ``__getattr__``, ``__iter__``, ``__eq__`` or
 ``__hash__`` in the user's namespace is never called.
@@ -19,12 +19,13 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from .records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
 from .walk import MISSING, Namer, Root, Walk, _qualname, instance_attributes, plain_dict_slot, render, resolve
 
-USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
-STALE_KINDS = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
+__all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
+           "attribute", "attribute_reachable", "forget_paths"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Holder:
     ``hint``: how to free it where the path alone does not say (an lru cache: ``f.cache_clear()``).
     """
 
-    kind: str
+    kind: HolderKind
     path: str
     root: str
     hint: str | None = None

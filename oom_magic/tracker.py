@@ -21,23 +21,10 @@ from functools import wraps
 from typing import Any, TypeVar
 from collections.abc import Callable, Iterable, Iterator
 
+from .records.snapshot import StorageRecord  # re-exported: the record of one storage
+
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
-
-
-@dataclass(frozen=True)
-class StorageRecord:
-    """One tensor storage on a device: views and tied weights share one and count once."""
-
-    key: int
-    device: str
-    bytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    tensor_count: int
-    holder_kind: str = "other"  # user | output-cache | traceback | garbage | other
-    holder_path: str | None = None
-    address: int = 0  # the storage's data pointer (0: not read): tells file-mapped bytes on the cpu
 
 
 @dataclass

@@ -13,13 +13,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Sequence
 
 from ..errors import OomMagicError
-
-if TYPE_CHECKING:
-    from ..watch import CellRecord
+from ..records.cell import CellRecord
 
 OOM_COLOR = "#e45756"
 LABEL_COLOR = "#666666"
