@@ -11,7 +11,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from ._torch import cuda_initialized, loaded_torch
-from .devices import DeviceReading, read_device, resolve_device
+from .devices import read_device, resolve_device
 from .errors import OomMagicError
 from .holders import Attribution, attribute
 from .nvml import Nvml
@@ -55,6 +55,7 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
     if not dry_run and TRACEBACK in kind_before.values():
         notes.append("the stored exception's frames were cleared: its printed traceback stays on screen, "
                      "but %debug of that error is gone")
+    still: tuple[StillHeld, ...]
     if dry_run:
         gone = set(storages) - survivors
         after, deleted, still = before, (), ()
@@ -85,7 +86,7 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
                     notes.append(f"could not tell what still holds the deleted variables' memory ({_why(exc)})")
             finally:
                 after_live.release()
-    by_kind: dict[str, int] = {}
+    by_kind: dict[HolderKind, int] = {}
     for key in gone:
         by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
     return FreeReport(where, sum(by_kind.values()), tuple(sorted(by_kind.items())), before, after,
@@ -127,7 +128,8 @@ def _why(exc: BaseException) -> str:
 
 
 def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: dict,
-         names: tuple[str, ...], dry_run: bool) -> tuple[dict[int, StorageRecord], dict[int, str], dict[str, set[int]], set[int]]:
+         names: tuple[str, ...], dry_run: bool
+         ) -> tuple[dict[int, StorageRecord], dict[int, HolderKind], dict[str, set[int]], set[int]]:
     """Attribute, then (unless a dry run) delete the names and drop stale references.
 
     Returns plain data only: storages before, their holder kinds, the keys each name reached,
@@ -139,7 +141,8 @@ def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: 
         attribution = attribute(live, roots, torch, types, trace_other=False)
         stale = {k: h for k, h in attribution.holders.items() if h.kind in STALE_KINDS}
         named = _reachable_from_names(live, roots, names, torch, types)
-        kinds = {k: attribution.holders[k].kind if k in attribution.holders else "other" for k in live.storages}
+        kinds: dict[int, HolderKind] = {k: attribution.holders[k].kind if k in attribution.holders else OTHER
+                                        for k in live.storages}
         survivors: set[int] = set()
         if dry_run:
             survivors = _dry_run_survivors(live, roots, names, torch, types, named, stale)

@@ -28,6 +28,11 @@ __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER
            "attribute", "attribute_reachable", "forget_paths"]
 
 
+def _root_kinds(roots: Roots) -> tuple[tuple[HolderKind, tuple[tuple[str, object], ...]], ...]:
+    """The roots of each kind, in the order their holders win: user, output cache, traceback."""
+    return ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback))
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a storage: the kind, the path to show, and the root it was reached from.
@@ -102,7 +107,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     user_reached: set[int] = set()
     try:
         if wanted:
-            for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
+            for kind, named in _root_kinds(roots):
                 walk.start(kind, named)
                 walk.run()
                 if kind == USER:
@@ -281,13 +286,13 @@ def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]
             except Exception:
                 continue
             key = live.storage_of.get(id(grad)) if grad is not None else None
-            if key in left:
+            if key is not None and key in left:
                 tensor_key = live.storage_of.get(id(tensor))
-                holder = holders.get(tensor_key)
+                holder = holders.get(tensor_key) if tensor_key is not None else None
                 if holder is not None:
                     holders[key] = Holder(holder.kind, holder.path + ".grad", holder.root)
                     left.discard(key)
-                    known = _REMEMBERED.get(tensor_key)
+                    known = _REMEMBERED.get(tensor_key) if tensor_key is not None else None
                     if holder.kind == USER and known is not None and known[0] == holder.root:
                         _remember(key, holder.root, known[1] + (("grad",),), holder.path + ".grad", None)
             del grad
@@ -315,7 +320,7 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
                 deadline=time.perf_counter() + budget_seconds, budget_nodes=budget_nodes)
     live = LiveTensors([], {}, {}, 0, 0)
     try:
-        for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
+        for kind, named in _root_kinds(roots):
             walk.start(kind, named)
             for _, obj in named:  # a root that is itself a tensor
                 if id(type(obj)) in collect and id(obj) in walk.roots:
@@ -423,7 +428,7 @@ def _is_root_like(obj: Any) -> bool:
 
 
 def _is_running(frame: types.FrameType) -> bool:
-    current = sys._getframe()
+    current: types.FrameType | None = sys._getframe()
     while current is not None:
         if current is frame:
             return True

@@ -51,8 +51,9 @@ def tensor_types(torch: ModuleType) -> frozenset[type]:
 def _subclasses(base: type) -> list[type]:
     # Walked each scan (a few dozen classes): subclasses defined later are never missed. By id:
     # a subclass's metaclass may define __eq__ without __hash__.
-    found = {id(base): base}
-    stack = [base]
+    found: dict[int, type] = {id(base): base}
+    stack: list[type] = [base]
+    sub: type
     while stack:
         for sub in type.__subclasses__(stack.pop()):
             if id(sub) not in found:
@@ -331,7 +332,7 @@ class _Reader:
         """(storage key, bytes) of a sparse tensor's index and value tensors, values last."""
         base, layout, torch = self._base, self.layout(tensor), self._torch
         if layout is torch.sparse_coo:
-            parts = (base._indices(tensor), base._values(tensor))
+            parts: tuple[Any, ...] = (base._indices(tensor), base._values(tensor))
         elif layout is torch.sparse_csr or layout is torch.sparse_bsr:
             parts = (base.crow_indices(tensor), base.col_indices(tensor), base.values(tensor))
         elif layout is torch.sparse_csc or layout is torch.sparse_bsc:

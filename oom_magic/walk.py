@@ -33,6 +33,8 @@ from itertools import chain, compress, count, islice, repeat
 from typing import Any
 from collections.abc import Callable, Iterable
 
+from .records.snapshot import HolderKind
+
 # What the walk does with an object, decided once per type (by the type's id).
 GENERIC, DICT, FUNCTION, FRAME, NDARRAY, SKIP, LATER, SEQ = range(8)
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
@@ -57,7 +59,7 @@ class Root:
 
     __slots__ = ("kind", "name")
 
-    def __init__(self, kind: str, name: str) -> None:
+    def __init__(self, kind: HolderKind, name: str) -> None:
         self.kind, self.name = kind, name
 
 
@@ -152,7 +154,7 @@ class Walk:
         self._later_types = _later_types()
 
     # -- walking -------------------------------------------------------------------------------
-    def start(self, kind: str, roots: Iterable[tuple[str, object]]) -> None:
+    def start(self, kind: HolderKind, roots: Iterable[tuple[str, object]]) -> None:
         """Queue roots of one holder kind (walked by ``run``); a root already reached is skipped."""
         visited = self.visited
         for name, obj in roots:

@@ -23,11 +23,11 @@ _DARK_TEXT = frozenset({"cache", "free", "context", "process-rest"})  # light co
 
 def bar_html(snap: Snapshot) -> str:
     """A stacked bar, one coloured span per segment, labelled where it is wide enough, its bytes on hover."""
-    segments = [s for s in memory_segments(snap) if s.bytes]
-    total = snap.reading.total or sum(s.bytes for s in segments) or 1
+    sized = [(s, s.bytes) for s in memory_segments(snap) if s.bytes]
+    total = snap.reading.total or sum(size for _, size in sized) or 1
     spans = []
-    for s in segments:
-        width = max(100 * s.bytes / total, 0.3)
+    for s, size in sized:
+        width = max(100 * size / total, 0.3)
         label = escape(s.label) if width >= 12 else ""  # a label only where it can be read
         color = "#222" if s.key in _DARK_TEXT else "#fff"
         spans.append(
