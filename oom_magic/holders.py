@@ -22,7 +22,10 @@ from typing import Any
 from .records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
-from .walk import MISSING, Namer, Root, Walk, _qualname, instance_attributes, plain_dict_slot, render, resolve
+from .walk import Root, Walk
+from .walk_names import Namer, render
+from .walk_reads import MISSING, instance_attributes, plain_dict_slot, qualname
+from .walk_resolve import resolve
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
            "attribute", "attribute_reachable", "forget_paths"]
@@ -471,10 +474,10 @@ def _chain(target: Any, ours: set[int], hops: int) -> str:
             base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
             break
         segments.append(_segment(holder, target))
-        base = f"<{_qualname(type(holder))}>"
+        base = f"<{qualname(type(holder))}>"
         target = holder
     else:
-        base = f"…<{_qualname(type(target))}>"  # more hops than we follow
+        base = f"…<{qualname(type(target))}>"  # more hops than we follow
     return base + "".join(reversed(segments))
 
 
@@ -488,7 +491,7 @@ def _is_shown_key(key: object) -> bool:
 
 def _key_text_of(key: object) -> str:
     # Only plain keys are shown: repr() of an arbitrary key runs code we do not control.
-    return repr(key) if _is_shown_key(key) else f"<{_qualname(type(key))} key>"
+    return repr(key) if _is_shown_key(key) else f"<{qualname(type(key))} key>"
 
 
 def _key_of(mapping: dict, target: Any) -> str:
@@ -506,4 +509,4 @@ def _segment(holder: Any, target: Any) -> str:
         index = next((i for i, v in enumerate(holder) if v is target), "?")
         return f"[{index}]"
     attr = next((k for k, v in list(instance_dict(holder).items()) if v is target), None)
-    return f".{attr}" if type(attr) is str else f"→{_qualname(cls)}"
+    return f".{attr}" if type(attr) is str else f"→{qualname(cls)}"

@@ -76,6 +76,8 @@ def cell_peak(level_before: int | None, high_before: int | None, level_after: in
     return None
 
 
+_DEFAULT_THRESHOLDS = Thresholds()
+
 # The watcher of the loaded extension, for mark_cell; set by activate(), cleared by deactivate().
 _active: Watcher | None = None
 
@@ -149,7 +151,7 @@ class Watcher:
         self._before = self._probe(torch)
 
     def after_cell(self, execution_count: int | None, error: BaseException | None = None,
-                   namespace: dict | None = None, thresholds: Thresholds = Thresholds(),
+                   namespace: dict | None = None, thresholds: Thresholds = _DEFAULT_THRESHOLDS,
                    source: str | None = None) -> CellChange | None:
         """Compare the device with the reading before the cell and record the cell; None without torch.
 
