@@ -113,7 +113,7 @@ class Walk:
                  collect: frozenset[int] | None = None, deadline: float = float("inf"),
                  budget_nodes: int = 10_000_000) -> None:
         numpy = sys.modules.get("numpy")
-        self.ndarray: type | None = getattr(numpy, "ndarray", None)
+        self.ndarray: Any = getattr(numpy, "ndarray", None)  # numpy.ndarray, or None without numpy
         self._nd_id = id(self.ndarray) if self.ndarray is not None else -1
         self._skip = frozenset(map(id, skip))
         self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
@@ -181,7 +181,7 @@ class Walk:
             if len(level) <= NARROW:
                 self._level = self._narrow(level)
                 continue
-            following: list[Any] = []
+            following = []
             for start in range(0, len(level), SLICE):
                 kids, parents = self._expand(level[start:start + SLICE])
                 stop = self._mark_slices(kids, parents, following)

@@ -222,9 +222,9 @@ class Namer:
         d = instance_dict_if_present(parent)
         if d is not None and id(d) == child_id:
             return [("",)]
-        name = self._inline_name(parent, cls, child_id)
-        if name is not None:
-            return [("attr", name)]
+        inline = self._inline_name(parent, cls, child_id)
+        if inline is not None:
+            return [("attr", inline)]
         # Last resort: the instance's dict (made now on 3.11+ if its attributes were inline; only
         # for an object on a path being shown, whose attribute no method of its class names).
         d = instance_attributes(parent)
@@ -242,7 +242,7 @@ class Namer:
         """
         if at + 4 >= len(forward):
             return None
-        frame = self.parent_of.get(forward[at])
+        frame: Any = self.parent_of.get(forward[at])
         cls = type(frame)
         if type_name(cls) != "DataFrame" or getattr(sys.modules.get("pandas"), "DataFrame", None) is not cls:
             return None
@@ -391,8 +391,8 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
             if tag == "keytype":
                 text = f"[<{step[1]} key>]"
             elif tag == "keypath":
-                shown = key_text(step[1])
-                text = f"[{shown}]" if shown is not None else f"[<{step[2]} key>]"
+                key_shown = key_text(step[1])
+                text = f"[{key_shown}]" if key_shown is not None else f"[<{step[2]} key>]"
             elif tag == "iskey":
                 text = f".keys()[<{step[1]}>]"
             elif tag == "index":

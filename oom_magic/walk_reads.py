@@ -5,6 +5,7 @@ What the walk, its naming (``walk_names``) and re-reading (``walk_resolve``) all
 """
 from __future__ import annotations
 
+import collections
 import gc
 import types
 from typing import Any
@@ -37,7 +38,7 @@ def function_dict(f: types.FunctionType) -> dict | None:
     return d if type(d) is dict and dict.__len__(d) else None
 
 
-def array_items(array: Any, ndarray: type | None) -> list[Any]:
+def array_items(array: Any, ndarray: Any) -> list[Any]:
     """The objects in a numpy object array (none for any other dtype), read through ndarray's own methods."""
     if ndarray is None:
         return []
@@ -63,15 +64,8 @@ def find_referent(objs: list[Any], obj_id: int) -> Any:
     return None
 
 
-_DEQUE: list[Any] = []
-
-
-def deque_type() -> type | None:
-    if not _DEQUE:
-        import collections
-
-        _DEQUE.append(collections.deque)
-    return _DEQUE[0]
+def deque_type() -> type[collections.deque]:
+    return collections.deque
 
 
 def deque_iter() -> Callable[[Any], Any]:

@@ -116,7 +116,7 @@ def _values_by_key_identity(mapping: dict, items: dict[Any, Any] | None) -> dict
 
 def _tensor_grad(tensor: Any) -> Any:
     """A leaf tensor's ``.grad`` read through TensorBase with subclass code off; MISSING if none."""
-    torch = sys.modules.get("torch")
+    torch: Any = sys.modules.get("torch")
     try:
         base = torch._C.TensorBase
         if not mro_has(type(tensor), base):
