@@ -346,6 +346,12 @@ def _assigned_names(cls: type) -> list[str]:
     return list(seen)
 
 
+# How the other steps read, the step's fields filling the blanks ({1} is step[1]).
+_STEP_TEXT = {"keytype": "[<{1} key>]", "iskey": ".keys()[<{1}>]", "index": "[{1}]", "member": "{{#{1}}}",
+              "closure": "[{1}]", "cell": ".cell_contents", "tb": "", "local": " → frame {1} → local {2}",
+              "cache": ".cache[…]", "via": "→{1}", "elide": " … "}
+
+
 # -- showing and re-reading steps -----------------------------------------------------------------
 def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | None],
            module_type: type | None = None) -> str:
@@ -388,35 +394,15 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
                 continue
         else:
             module_child = False
-            if tag == "keytype":
-                text = f"[<{step[1]} key>]"
-            elif tag == "keypath":
+            if tag == "keypath":
                 key_shown = key_text(step[1])
                 text = f"[{key_shown}]" if key_shown is not None else f"[<{step[2]} key>]"
-            elif tag == "iskey":
-                text = f".keys()[<{step[1]}>]"
-            elif tag == "index":
-                text = f"[{step[1]}]"
-            elif tag == "member":
-                text = f"{{#{step[1]}}}"
-            elif tag == "closure":
-                text = f"[{step[1]}]"
-            elif tag == "cell":
-                text = ".cell_contents"
-            elif tag == "tb":
-                text = ""
-            elif tag == "local":
-                text = f" → frame {step[1]} → local {step[2]}"
-            elif tag == "cache":
-                text = ".cache[…]"
             elif tag == "flat":
                 text = f"[{step[1]}]" if len(step) > 2 and step[2] == 1 else f".flat[{step[1]}]"
-            elif tag == "via":
-                text = f"→{step[1]}"
             elif tag == "pandas":
                 text = f"[{_key_repr(step[1])}].iloc[{step[2]}]"
-            elif tag == "elide":
-                text = " … "
+            elif tag in _STEP_TEXT:
+                text = _STEP_TEXT[tag].format(*step)
         as_attr = False
         parts.append(text)
     shown = [p for p in parts[1:] if p]
