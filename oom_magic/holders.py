@@ -21,7 +21,7 @@ from typing import Any
 
 from .records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
-from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
+from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
 from .walk import Root, Walk
 from .walk_names import Namer, render
 from .walk_reads import MISSING, instance_attributes, plain_dict_slot, qualname
@@ -316,8 +316,6 @@ def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type],
 
 def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None,
                          budget_nodes: int, budget_seconds: float) -> tuple[LiveTensors, Attribution]:
-    from .tracker import storage_types
-
     collect = frozenset(map(id, tensor_types)) | frozenset(map(id, storage_types(torch)))
     walk = Walk(roots.containers + (sys.modules, roots), collect=collect,
                 deadline=time.perf_counter() + budget_seconds, budget_nodes=budget_nodes)

@@ -52,6 +52,7 @@ from types import ModuleType
 from typing import Any
 
 from ._torch import cuda_initialized, loaded_torch
+from .oom import is_out_of_memory
 from .records.cell import (CPU_THRESHOLD, GPU_THRESHOLD, CellChange, CellRecord, CellReport, ChangeReason, Probe,
                            Thresholds, WatchStatus)
 from .records.snapshot import Snapshot
@@ -166,7 +167,7 @@ class Watcher:
         if torch is None:
             return None
         after = self._probe(torch)
-        oom = forced_oom or (error is not None and _is_oom(error))
+        oom = forced_oom or (error is not None and is_out_of_memory(error))
         if before is not None and before.device != after.device:
             # CUDA came up during the cell: PyTorch held nothing on the GPU before it. Any other
             # switch (torch.cuda.set_device) leaves nothing to compare with.
@@ -247,12 +248,6 @@ def _stat(stats: dict, name: str, which: str) -> int | None:
 
 def _diff(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
-
-
-def _is_oom(error: BaseException) -> bool:
-    from .oom import is_out_of_memory
-
-    return is_out_of_memory(error)
 
 
 def _mps_available(torch: ModuleType) -> bool:
