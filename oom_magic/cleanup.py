@@ -7,77 +7,20 @@ from __future__ import annotations
 
 import gc
 import sys
-from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable
 
 from ._torch import cuda_initialized, loaded_torch
-from .devices import DeviceReading, read_device, resolve_device
+from .devices import read_device, resolve_device
 from .errors import OomMagicError
-from .holders import OTHER, STALE_KINDS, TRACEBACK, Attribution, attribute
+from .holders import Attribution, attribute
 from .nvml import Nvml
+from .records.cleanup import FreeReport, StillHeld
+from .records.snapshot import OTHER, STALE_KINDS, TRACEBACK, HolderKind, StorageRecord
 from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
-from .tracker import LiveTensors, StorageRecord, find_tensors, tensor_types
+from .tracker import LiveTensors, find_tensors, tensor_types
 
-
-@dataclass(frozen=True)
-class StillHeld:
-    """A deleted variable whose memory something else still holds."""
-
-    name: str
-    bytes: int
-    holders: tuple[str, ...]
-
-    def sentence(self) -> str:
-        """"`model` deleted; its 12.55 GiB are still held by `model2` and `opt.state`"."""
-        from .render.units import format_bytes
-
-        names = [f"`{h}`" for h in self.holders]
-        joined = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-        return f"`{self.name}` deleted; its {format_bytes(self.bytes)} are still held by {joined}"
-
-
-@dataclass(frozen=True)
-class FreeReport:
-    """What a cleanup gave back, by holder kind, with the device reading before and after."""
-
-    device: str
-    freed_bytes: int
-    freed_by_kind: tuple[tuple[str, int], ...]
-    before: DeviceReading
-    after: DeviceReading
-    deleted: tuple[str, ...] = ()
-    still_held: tuple[StillHeld, ...] = ()
-    dry_run: bool = False
-    notes: tuple[str, ...] = ()
-
-    @property
-    def resident_freed(self) -> int | None:
-        """cpu: the resident memory (RSS) that really came back; tensors mapped from a file were never resident."""
-        if self.device != "cpu" or self.dry_run:
-            return None
-        before, after = self.before.process_used, self.after.process_used
-        return None if before is None or after is None else before - after
-
-    def kind_bytes(self, kind: str) -> int:
-        """Bytes freed (or, in a dry run, freeable) from one holder kind."""
-        return dict(self.freed_by_kind).get(kind, 0)
-
-    def __repr__(self) -> str:
-        return f"<FreeReport {self.device}: freed={self.freed_bytes} B{' (dry run)' if self.dry_run else ''}>"
-
-    def __str__(self) -> str:
-        from .render.text import free_report_text
-
-        return free_report_text(self)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
-
-    def _repr_html_(self) -> str:
-        from .render.html import free_report_html
-
-        return free_report_html(self)
+__all__ = ["FreeReport", "StillHeld", "free_stale"]
 
 
 def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run: bool = False,
@@ -112,6 +55,7 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
     if not dry_run and TRACEBACK in kind_before.values():
         notes.append("the stored exception's frames were cleared: its printed traceback stays on screen, "
                      "but %debug of that error is gone")
+    still: tuple[StillHeld, ...]
     if dry_run:
         gone = set(storages) - survivors
         after, deleted, still = before, (), ()
@@ -142,7 +86,7 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
                     notes.append(f"could not tell what still holds the deleted variables' memory ({_why(exc)})")
             finally:
                 after_live.release()
-    by_kind: dict[str, int] = {}
+    by_kind: dict[HolderKind, int] = {}
     for key in gone:
         by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
     return FreeReport(where, sum(by_kind.values()), tuple(sorted(by_kind.items())), before, after,
@@ -184,7 +128,8 @@ def _why(exc: BaseException) -> str:
 
 
 def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: dict,
-         names: tuple[str, ...], dry_run: bool) -> tuple[dict[int, StorageRecord], dict[int, str], dict[str, set[int]], set[int]]:
+         names: tuple[str, ...], dry_run: bool
+         ) -> tuple[dict[int, StorageRecord], dict[int, HolderKind], dict[str, set[int]], set[int]]:
     """Attribute, then (unless a dry run) delete the names and drop stale references.
 
     Returns plain data only: storages before, their holder kinds, the keys each name reached,
@@ -196,7 +141,8 @@ def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: 
         attribution = attribute(live, roots, torch, types, trace_other=False)
         stale = {k: h for k, h in attribution.holders.items() if h.kind in STALE_KINDS}
         named = _reachable_from_names(live, roots, names, torch, types)
-        kinds = {k: attribution.holders[k].kind if k in attribution.holders else "other" for k in live.storages}
+        kinds: dict[int, HolderKind] = {k: attribution.holders[k].kind if k in attribution.holders else OTHER
+                                        for k in live.storages}
         survivors: set[int] = set()
         if dry_run:
             survivors = _dry_run_survivors(live, roots, names, torch, types, named, stale)

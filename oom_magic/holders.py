@@ -1,6 +1,6 @@
 """Say who holds each storage: a user variable's path, the output cache, a traceback, garbage.
 
-First match wins, in DESIGN.md's order: user → output-cache → traceback → garbage → other.
+First match wins, in this order: user → output-cache → traceback → garbage → other.
 The walk (walk.py) reaches objects through the interpreter's own traversal and names only the
 storages found, with C-level reads, so a hostile ``__getattr__``, ``__iter__``, ``__eq__`` or
 ``__hash__`` in the user's namespace is never called.
@@ -19,12 +19,21 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from .records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
-from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing
-from .walk import MISSING, Namer, Root, Walk, _qualname, instance_attributes, plain_dict_slot, render, resolve
+from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
+from .walk import Root, Walk
+from .walk_names import Namer, render
+from .walk_reads import MISSING, instance_attributes, plain_dict_slot, qualname
+from .walk_resolve import resolve
 
-USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER = "user", "output-cache", "traceback", "garbage", "other"
-STALE_KINDS = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
+__all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
+           "attribute", "attribute_reachable", "forget_paths"]
+
+
+def _root_kinds(roots: Roots) -> tuple[tuple[HolderKind, tuple[tuple[str, object], ...]], ...]:
+    """The roots of each kind, in the order their holders win: user, output cache, traceback."""
+    return ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback))
 
 
 @dataclass(frozen=True)
@@ -34,7 +43,7 @@ class Holder:
     ``hint``: how to free it where the path alone does not say (an lru cache: ``f.cache_clear()``).
     """
 
-    kind: str
+    kind: HolderKind
     path: str
     root: str
     hint: str | None = None
@@ -101,7 +110,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     user_reached: set[int] = set()
     try:
         if wanted:
-            for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
+            for kind, named in _root_kinds(roots):
                 walk.start(kind, named)
                 walk.run()
                 if kind == USER:
@@ -280,13 +289,13 @@ def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]
             except Exception:
                 continue
             key = live.storage_of.get(id(grad)) if grad is not None else None
-            if key in left:
+            if key is not None and key in left:
                 tensor_key = live.storage_of.get(id(tensor))
-                holder = holders.get(tensor_key)
+                holder = holders.get(tensor_key) if tensor_key is not None else None
                 if holder is not None:
                     holders[key] = Holder(holder.kind, holder.path + ".grad", holder.root)
                     left.discard(key)
-                    known = _REMEMBERED.get(tensor_key)
+                    known = _REMEMBERED.get(tensor_key) if tensor_key is not None else None
                     if holder.kind == USER and known is not None and known[0] == holder.root:
                         _remember(key, holder.root, known[1] + (("grad",),), holder.path + ".grad", None)
             del grad
@@ -307,14 +316,12 @@ def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type],
 
 def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None,
                          budget_nodes: int, budget_seconds: float) -> tuple[LiveTensors, Attribution]:
-    from .tracker import storage_types
-
     collect = frozenset(map(id, tensor_types)) | frozenset(map(id, storage_types(torch)))
     walk = Walk(roots.containers + (sys.modules, roots), collect=collect,
                 deadline=time.perf_counter() + budget_seconds, budget_nodes=budget_nodes)
     live = LiveTensors([], {}, {}, 0, 0)
     try:
-        for kind, named in ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback)):
+        for kind, named in _root_kinds(roots):
             walk.start(kind, named)
             for _, obj in named:  # a root that is itself a tensor
                 if id(type(obj)) in collect and id(obj) in walk.roots:
@@ -422,7 +429,7 @@ def _is_root_like(obj: Any) -> bool:
 
 
 def _is_running(frame: types.FrameType) -> bool:
-    current = sys._getframe()
+    current: types.FrameType | None = sys._getframe()
     while current is not None:
         if current is frame:
             return True
@@ -465,10 +472,10 @@ def _chain(target: Any, ours: set[int], hops: int) -> str:
             base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
             break
         segments.append(_segment(holder, target))
-        base = f"<{_qualname(type(holder))}>"
+        base = f"<{qualname(type(holder))}>"
         target = holder
     else:
-        base = f"…<{_qualname(type(target))}>"  # more hops than we follow
+        base = f"…<{qualname(type(target))}>"  # more hops than we follow
     return base + "".join(reversed(segments))
 
 
@@ -482,7 +489,7 @@ def _is_shown_key(key: object) -> bool:
 
 def _key_text_of(key: object) -> str:
     # Only plain keys are shown: repr() of an arbitrary key runs code we do not control.
-    return repr(key) if _is_shown_key(key) else f"<{_qualname(type(key))} key>"
+    return repr(key) if _is_shown_key(key) else f"<{qualname(type(key))} key>"
 
 
 def _key_of(mapping: dict, target: Any) -> str:
@@ -500,4 +507,4 @@ def _segment(holder: Any, target: Any) -> str:
         index = next((i for i, v in enumerate(holder) if v is target), "?")
         return f"[{index}]"
     attr = next((k for k, v in list(instance_dict(holder).items()) if v is target), None)
-    return f".{attr}" if type(attr) is str else f"→{_qualname(cls)}"
+    return f".{attr}" if type(attr) is str else f"→{qualname(cls)}"

@@ -25,11 +25,12 @@ import stat
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterable
 from urllib.parse import urlsplit, urlunsplit
+
+from .records.snapshot import KernelInfo  # re-exported: the record of one kernel
 
 __all__ = ["KernelInfo", "find_jupyter_kernels"]
 
@@ -38,16 +39,6 @@ _CONNECTION_FILE = re.compile(r"kernel-([A-Za-z0-9][A-Za-z0-9_.-]*)\.json")
 _MAX_RESPONSE = 4 << 20  # a sessions list is kilobytes; never read more than this
 # Bind addresses reached through loopback: wildcards (every interface) and the name localhost.
 _LOOPBACK_FOR = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1", "localhost": "127.0.0.1"}
-
-
-@dataclass(frozen=True)
-class KernelInfo:
-    """A process that is a kernel of this user's Jupyter server: its notebook and how to stop it."""
-
-    notebook_path: str | None  # relative to the server's root, as Jupyter shows it; None: no session
-    kernel_id: str
-    server_url: str            # the server's address, without its token
-    stop_hint: str             # one line: the notebook's menu, or kill <pid>
 
 
 def _psutil() -> Any:

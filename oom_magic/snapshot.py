@@ -1,145 +1,22 @@
-"""Take a snapshot of a device: its reading, its live storages and who holds each one."""
+"""Take a snapshot of a device: its reading, its live storages and who holds each one.
+
+The record it returns (``Snapshot``) lives in ``records.snapshot``; it is re-exported here.
+"""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Any
 
 from ._torch import loaded_torch
 from .devices import DeviceReading, read_device, resolve_device
-from .holders import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, attribute, attribute_reachable
-from .jupyter_kernels import KernelInfo
+from .holders import attribute, attribute_reachable
 from .mapped import mapped_bytes
 from .nvml import Nvml
+from .render.units import format_bytes  # a note's figure (a leaf module: no cycle)
+from .records.snapshot import HOLDER_KINDS, USER, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
 from .roots import Roots, collect_roots
-from .tracker import StorageRecord, find_tensors, pins_nothing, tensor_types
+from .tracker import find_tensors, pins_nothing, tensor_types
 
-HOLDER_KINDS = (USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER)
-
-
-@dataclass(frozen=True)
-class HolderGroup:
-    """Storages grouped under one holder path, for the top-N table."""
-
-    kind: str
-    path: str
-    bytes: int
-    storages: int
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What uses a device right now and who holds it; int bytes, None where unknown."""
-
-    device: str
-    reading: DeviceReading
-    storages: tuple[StorageRecord, ...]
-    bytes_by_kind: tuple[tuple[str, int], ...]
-    scan_seconds: float
-    objects_scanned: int
-    attribution_complete: bool
-    notes: tuple[str, ...] = ()
-    top_n: int = 10
-    view: str = "table"  # "table" or "json": how the notebook/terminal shows it
-    heap_scan: bool = True  # False: the quick view (no heap pass; garbage and library-held not found)
-    # Other processes that are kernels of this user's Jupyter servers: (pid, notebook and how to stop it).
-    kernels: tuple[tuple[int, KernelInfo], ...] = ()
-    # cpu: bytes of your variables' storages that are views of a memory-mapped file (safetensors
-    # weights in their stored dtype): not resident until read; None where not read (not Linux, CUDA).
-    user_mapped_bytes: int | None = None
-
-    # Figures the user asks for by name.
-    def kind_bytes(self, kind: str) -> int:
-        """Bytes of storages held by one holder kind (user, output-cache, traceback, garbage, other)."""
-        return dict(self.bytes_by_kind).get(kind, 0)
-
-    @property
-    def tracked_bytes(self) -> int:
-        """Bytes in every live storage the heap scan found on this device."""
-        return sum(b for _, b in self.bytes_by_kind)
-
-    @property
-    def user_bytes(self) -> int:
-        """Bytes reachable from the user's variables."""
-        return self.kind_bytes(USER)
-
-    @property
-    def stale_bytes(self) -> int:
-        """Bytes only the output cache, a stored traceback or garbage holds: safe to free."""
-        return sum(self.kind_bytes(k) for k in STALE_KINDS)
-
-    @property
-    def other_bytes(self) -> int:
-        """Bytes held by something else (a library global, an object the walk could not name)."""
-        return self.kind_bytes(OTHER)
-
-    @property
-    def untracked_bytes(self) -> int | None:
-        """Allocator total minus tracked storages (autograd graph, workspaces); None without an allocator."""
-        if self.reading.allocated is None or self.device == "cpu":
-            return None
-        return self.reading.allocated - self.tracked_bytes
-
-    def holders(self, kind: str | None = None) -> tuple[HolderGroup, ...]:
-        """Storages grouped by holder path, largest first (optionally one kind only)."""
-        groups = self._holder_groups
-        return groups if kind is None else tuple(g for g in groups if g.kind == kind)
-
-    @cached_property
-    def _holder_groups(self) -> tuple[HolderGroup, ...]:
-        # Grouped once per snapshot: every view of it (table, caption, details, exports) asks again.
-        groups: dict[tuple[str, str], list[StorageRecord]] = {}
-        for record in self.storages:
-            groups.setdefault((record.holder_kind, record.holder_path or "?"), []).append(record)
-        result = []
-        for (k, path), rs in groups.items():
-            largest = max(rs, key=lambda r: r.bytes)
-            result.append(HolderGroup(k, path, sum(r.bytes for r in rs), len(rs), largest.dtype, largest.shape))
-        return tuple(sorted(result, key=lambda g: (-g.bytes, g.path)))
-
-    def held_by(self, path_prefix: str) -> int:
-        """Bytes of storages whose holder path starts with ``path_prefix`` (e.g. ``"model"``)."""
-        return sum(r.bytes for r in self.storages
-                   if r.holder_path is not None and _path_under(r.holder_path, path_prefix))
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every figure (int bytes, None where unknown)."""
-        from .render.json import snapshot_dict
-
-        return snapshot_dict(self)
-
-    def __repr__(self) -> str:
-        return (f"<Snapshot {self.device}: {len(self.storages)} storages, user={self.user_bytes} B, "
-                f"stale={self.stale_bytes} B, untracked={self.untracked_bytes}>")
-
-    def __str__(self) -> str:
-        from .render.text import snapshot_text
-
-        return snapshot_text(self)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(self.to_json_text() if self.view == "json" else str(self))
-
-    def _repr_html_(self) -> str | None:
-        if self.view == "json":
-            return None
-        from .render.html import snapshot_html
-
-        return snapshot_html(self)
-
-    def to_json_text(self) -> str:
-        """The snapshot as indented JSON text."""
-        import json
-
-        return json.dumps(self.to_dict(), indent=2)
-
-
-def _path_under(path: str, prefix: str) -> bool:
-    return path == prefix or path.startswith((prefix + ".", prefix + "[", prefix + " "))
-
+__all__ = ["HOLDER_KINDS", "HolderGroup", "KERNEL_LOOKUP_TIMEOUT", "Snapshot", "snapshot"]
 
 @pins_nothing
 def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvml | None = None,
@@ -181,7 +58,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         )
     finally:
         live.release()
-    totals = {kind: 0 for kind in HOLDER_KINDS}
+    totals: dict[HolderKind, int] = {kind: 0 for kind in HOLDER_KINDS}
     for record in storages:
         totals[record.holder_kind] += record.bytes
     notes: list[str] = []
@@ -202,8 +79,6 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
     user_mapped = None
     if where == "cpu":
-        from .render.units import format_bytes  # a note's figure (records format nothing else)
-
         user_mapped = mapped_bytes((r.address, r.bytes) for r in storages if r.holder_kind == USER and r.address)
         if user_mapped:
             notes.append(f"{format_bytes(user_mapped)} of user is mapped from files (weights loaded in their "

@@ -21,23 +21,10 @@ from functools import wraps
 from typing import Any, TypeVar
 from collections.abc import Callable, Iterable, Iterator
 
+from .records.snapshot import StorageRecord  # re-exported: the record of one storage
+
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
-
-
-@dataclass(frozen=True)
-class StorageRecord:
-    """One tensor storage on a device: views and tied weights share one and count once."""
-
-    key: int
-    device: str
-    bytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    tensor_count: int
-    holder_kind: str = "other"  # user | output-cache | traceback | garbage | other
-    holder_path: str | None = None
-    address: int = 0  # the storage's data pointer (0: not read): tells file-mapped bytes on the cpu
 
 
 @dataclass
@@ -64,8 +51,9 @@ def tensor_types(torch: ModuleType) -> frozenset[type]:
 def _subclasses(base: type) -> list[type]:
     # Walked each scan (a few dozen classes): subclasses defined later are never missed. By id:
     # a subclass's metaclass may define __eq__ without __hash__.
-    found = {id(base): base}
-    stack = [base]
+    found: dict[int, type] = {id(base): base}
+    stack: list[type] = [base]
+    sub: type
     while stack:
         for sub in type.__subclasses__(stack.pop()):
             if id(sub) not in found:
@@ -344,7 +332,7 @@ class _Reader:
         """(storage key, bytes) of a sparse tensor's index and value tensors, values last."""
         base, layout, torch = self._base, self.layout(tensor), self._torch
         if layout is torch.sparse_coo:
-            parts = (base._indices(tensor), base._values(tensor))
+            parts: tuple[Any, ...] = (base._indices(tensor), base._values(tensor))
         elif layout is torch.sparse_csr or layout is torch.sparse_bsr:
             parts = (base.crow_indices(tensor), base.col_indices(tensor), base.values(tensor))
         elif layout is torch.sparse_csc or layout is torch.sparse_bsc:

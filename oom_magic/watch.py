@@ -1,6 +1,6 @@
 """Notice cheaply whether a cell changed the watched device's memory, and keep one record per cell.
 
-Pure logic: no IPython, no ipywidgets, and torch only when the user already imported it
+No IPython, no ipywidgets, and torch only when the user already imported it
 (``_torch.loaded_torch``). When torch is not imported, ``Watcher`` does nothing at all.
 
 How "nothing changed" is told without a heap scan (each reading costs microseconds):
@@ -33,6 +33,9 @@ after, that is the peak; otherwise the cell's peak is unknown (None).
 the record of that cell carries the label (the timeline writes it) and, with ``oom=True``, counts
 as an out-of-memory cell even when the guard recovered (the widget is shown for it).
 
+The records (``Probe``, ``CellRecord``, ``CellChange``, ``CellReport``, ``WatchStatus``) live in
+``records.cell`` and are re-exported here.
+
 History: one ``CellRecord`` per executed non-silent cell while torch is imported, in a deque capped
 at ``history_limit`` records (oldest dropped first).
 """
@@ -43,139 +46,22 @@ import re
 import sys
 import weakref
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import islice
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ._torch import cuda_initialized, loaded_torch
+from .oom import is_out_of_memory
+from .records.cell import (CPU_THRESHOLD, GPU_THRESHOLD, CellChange, CellRecord, CellReport, ChangeReason, Probe,
+                           Thresholds, WatchStatus)
+from .records.snapshot import Snapshot
 from .roots import is_user_name
 
-if TYPE_CHECKING:
-    from .cleanup import FreeReport
-    from .snapshot import Snapshot
-
-__all__ = ["CellChange", "CellRecord", "CellReport", "Probe", "Thresholds", "WatchStatus", "Watcher",
-           "cell_peak", "mark_cell"]
-
-GPU_THRESHOLD = 1 << 20
-CPU_THRESHOLD = 16 << 20
+__all__ = ["CPU_THRESHOLD", "GPU_THRESHOLD", "CellChange", "CellRecord", "CellReport", "Probe", "Thresholds",
+           "WatchStatus", "Watcher", "cell_peak", "mark_cell"]
 _NAME = re.compile(r"[^\W\d]\w*")  # identifiers a cell's source mentions
 _TAIL_KEYS = 16
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """How far a figure must move in one cell to count as a change (int bytes)."""
-
-    gpu: int = GPU_THRESHOLD
-    cpu: int = CPU_THRESHOLD
-
-    def for_device(self, device: str) -> int:
-        """The threshold that applies on ``device``."""
-        return self.cpu if device == "cpu" else self.gpu
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A cheap reading of the watched device (no heap scan); int bytes, None where not read.
-
-    On a GPU: ``allocated``/``reserved`` from the allocator, ``high_water`` its allocated peak.
-    On cpu: ``rss`` the resident set, ``high_water`` the peak resident set.
-    """
-
-    device: str
-    allocated: int | None = None
-    reserved: int | None = None
-    high_water: int | None = None
-    rss: int | None = None
-
-    @property
-    def level(self) -> int | None:
-        """The figure the delta and the peak are about: allocated on a GPU, RSS on cpu."""
-        return self.rss if self.device == "cpu" else self.allocated
-
-
-@dataclass(frozen=True)
-class CellRecord:
-    """One executed cell on the timeline: the watched device's figures after it (int bytes)."""
-
-    execution_count: int | None
-    device: str
-    allocated: int | None       # GPU: bytes in live tensors (allocator); None on cpu
-    reserved: int | None        # GPU: allocated + the allocator's cache; None on cpu
-    peak: int | None            # GPU: highest allocated during the cell; cpu: highest RSS; None if unknown
-    rss: int | None             # cpu: process resident set after the cell; None on a GPU
-    tensor_bytes: int | None    # bytes of live tensors the scan after this cell found; None without a scan
-    oom: bool                   # the cell raised (or the guard caught) an out-of-memory error
-    label: str | None           # %%guardload cells: the guard's label
-    changed: bool               # a figure moved by at least the threshold
-
-
-@dataclass(frozen=True)
-class CellChange:
-    """What one cell did to the watched device, from the cheap readings alone."""
-
-    record: CellRecord
-    before: Probe | None        # None: no reading before this cell (torch or the extension just arrived)
-    after: Probe
-    delta: int | None           # change of Probe.level (allocated on a GPU, RSS on cpu)
-    variable_delta: int | None  # cpu: change of tensor bytes bound to variables
-    peak_delta: int | None      # the cell's peak above the level before it, when known
-    reasons: tuple[str, ...]    # figures that moved past the threshold: allocated, reserved, rss, variables
-    variable_bytes: int | None = None  # cpu: tensor bytes bound to variables after the cell
-
-    @property
-    def changed(self) -> bool:
-        """Whether a figure moved by at least the threshold."""
-        return self.record.changed
-
-    @property
-    def oom(self) -> bool:
-        """Whether the cell ran out of memory."""
-        return self.record.oom
-
-    @property
-    def device(self) -> str:
-        """The watched device."""
-        return self.record.device
-
-    @property
-    def execution_count(self) -> int | None:
-        """The cell's execution count (None for cells run without history)."""
-        return self.record.execution_count
-
-
-@dataclass(frozen=True)
-class CellReport:
-    """What the after-cell widget shows: the cell's change, a snapshot after it, and a cleanup's result.
-
-    ``change`` is None for a view not tied to a cell (the pinned widget before its first update).
-    """
-
-    change: CellChange | None
-    snapshot: Snapshot
-    freed: FreeReport | None = None
-
-
-@dataclass(frozen=True)
-class WatchStatus:
-    """The after-cell display's settings and state, as ``%gpumem --auto/--pin`` report them."""
-
-    mode: str                   # changes | always | off
-    pinned: bool
-    enabled: bool               # False after a hook error, until %gpumem --auto re-enables it
-    thresholds: Thresholds
-    live_widgets: int           # how many per-cell widgets stay live before older ones freeze
-    cells_recorded: int
-
-    def __str__(self) -> str:
-        from .render.cell import watch_status_text
-
-        return watch_status_text(self)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
 
 
 def cell_peak(level_before: int | None, high_before: int | None, level_after: int | None,
@@ -190,6 +76,8 @@ def cell_peak(level_before: int | None, high_before: int | None, level_after: in
         return high_before  # the mark sits at a level the cell had: nothing went higher
     return None
 
+
+_DEFAULT_THRESHOLDS = Thresholds()
 
 # The watcher of the loaded extension, for mark_cell; set by activate(), cleared by deactivate().
 _active: Watcher | None = None
@@ -264,7 +152,7 @@ class Watcher:
         self._before = self._probe(torch)
 
     def after_cell(self, execution_count: int | None, error: BaseException | None = None,
-                   namespace: dict | None = None, thresholds: Thresholds = Thresholds(),
+                   namespace: dict | None = None, thresholds: Thresholds = _DEFAULT_THRESHOLDS,
                    source: str | None = None) -> CellChange | None:
         """Compare the device with the reading before the cell and record the cell; None without torch.
 
@@ -279,7 +167,7 @@ class Watcher:
         if torch is None:
             return None
         after = self._probe(torch)
-        oom = forced_oom or (error is not None and _is_oom(error))
+        oom = forced_oom or (error is not None and is_out_of_memory(error))
         if before is not None and before.device != after.device:
             # CUDA came up during the cell: PyTorch held nothing on the GPU before it. Any other
             # switch (torch.cuda.set_device) leaves nothing to compare with.
@@ -287,7 +175,7 @@ class Watcher:
             before = Probe(after.device, 0, 0, 0) if came_up else None
         threshold = thresholds.for_device(after.device)
         delta = _diff(after.level, before.level) if before is not None else None
-        reasons = []
+        reasons: list[ChangeReason] = []
         if before is not None:
             if after.device == "cpu":
                 if delta is not None and abs(delta) >= threshold:
@@ -360,12 +248,6 @@ def _stat(stats: dict, name: str, which: str) -> int | None:
 
 def _diff(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
-
-
-def _is_oom(error: BaseException) -> bool:
-    from .oom import is_out_of_memory
-
-    return is_out_of_memory(error)
 
 
 def _mps_available(torch: ModuleType) -> bool:

@@ -34,20 +34,22 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
-from .cleanup import FreeReport, free_stale
+from .cleanup import free_stale
 from .errors import OomMagicError
+from .records.cell import CellChange, CellRecord, CellReport, Thresholds, WatchStatus
+from .records.cleanup import FreeReport
+from .devices import resolve_device
+from .records.snapshot import Snapshot
 from .render.cell import (cell_bar_html, cell_caption, cell_details_html, cell_html, cell_text, free_button_label,
                           freed_line)
+from .render.plot import Timeline, plot_timeline
 from .render.units import escape  # html.escape, surrogate-safe
 from .roots import collect_roots
-from .snapshot import Snapshot, snapshot
-from .watch import (CellChange, CellRecord, CellReport, ScanCost, Thresholds, Watcher, WatchStatus, activate,
-                    deactivate)
+from .snapshot import snapshot
+from .watch import ScanCost, Watcher, activate, deactivate
 
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import ExecutionInfo, ExecutionResult, InteractiveShell
-
-    from .render.plot import Timeline
 
 __all__ = ["CellWatch", "MemoryWidget"]
 
@@ -408,9 +410,6 @@ class CellWatch:
 
     def plot(self, path: str | None = None, device: str | None = None) -> Timeline:
         """The timeline of the recorded cells on ``device`` (default: the last cell's), saved to ``path``."""
-        from .devices import resolve_device
-        from .render.plot import plot_timeline
-
         records: tuple[CellRecord, ...] = self.watcher.records()
         if device is not None:
             device = resolve_device(device)

@@ -13,13 +13,13 @@ from collections.abc import Callable
 @dataclass(frozen=True)
 class Renderer:
     text: Callable[[Any], str]
-    html: Callable[[Any], str] | None = None
+    html: Callable[[Any], str | None] | None = None  # None from it: no HTML for this record
 
 
 _RENDERERS: dict[type, Renderer] = {}
 
 
-def renders(record_type: type, text: Callable[[Any], str], html: Callable[[Any], str] | None = None) -> None:
+def renders(record_type: type, text: Callable[[Any], str], html: Callable[[Any], str | None] | None = None) -> None:
     """Register how ``record_type`` is shown: ``text`` for str and the terminal, ``html`` for notebooks."""
     _RENDERERS[record_type] = Renderer(text, html)
 

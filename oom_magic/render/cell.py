@@ -6,17 +6,14 @@ show the same figures. Every outside string (holder paths, process names, notes)
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from ..records.cell import CellReport, WatchStatus
+from ..records.cleanup import FreeReport
+from ..records.shown import renders
+from ..records.snapshot import Snapshot
 from .html import bar_html, bar_legend_html
 from .segments import memory_segments
 from .text import bar, table
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
-
-if TYPE_CHECKING:
-    from ..cleanup import FreeReport
-    from ..snapshot import Snapshot
-    from ..watch import CellReport, WatchStatus
 
 DETAIL_HOLDERS = 5
 
@@ -142,3 +139,7 @@ def watch_status_text(status: WatchStatus) -> str:
 
 def _shape(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape)) or "scalar"
+
+
+renders(CellReport, cell_text, cell_html)
+renders(WatchStatus, watch_status_text)

@@ -3,15 +3,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..records.cleanup import FreeReport
+from ..records.shown import renders
+from ..records.snapshot import KernelInfo, Snapshot
 from .segments import memory_segments
-from .text import free_report_text, usage_line
+from .text import free_report_text, snapshot_text, usage_line
 from .units import escape, format_bytes  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
-    from ..cleanup import FreeReport
-    from ..jupyter_kernels import KernelInfo
     from ..processes import ProcessInfo
-    from ..snapshot import Snapshot
 
 COLORS = {"user": "#4c78a8", "stale": "#e45756", "other": "#b279a2", "untracked": "#9d755d",
           "cache": "#f2cf5b", "context": "#bab0ac", "process-rest": "#bab0ac", "others": "#72b7b2",
@@ -23,11 +23,11 @@ _DARK_TEXT = frozenset({"cache", "free", "context", "process-rest"})  # light co
 
 def bar_html(snap: Snapshot) -> str:
     """A stacked bar, one coloured span per segment, labelled where it is wide enough, its bytes on hover."""
-    segments = [s for s in memory_segments(snap) if s.bytes]
-    total = snap.reading.total or sum(s.bytes for s in segments) or 1
+    sized = [(s, s.bytes) for s in memory_segments(snap) if s.bytes]
+    total = snap.reading.total or sum(size for _, size in sized) or 1
     spans = []
-    for s in segments:
-        width = max(100 * s.bytes / total, 0.3)
+    for s, size in sized:
+        width = max(100 * size / total, 0.3)
         label = escape(s.label) if width >= 12 else ""  # a label only where it can be read
         color = "#222" if s.key in _DARK_TEXT else "#fff"
         spans.append(
@@ -97,3 +97,16 @@ def snapshot_html(snap: Snapshot) -> str:
 def free_report_html(report: FreeReport) -> str:
     """The %freeall report as HTML (the text report, escaped, in a pre block)."""
     return f"<pre class='oom-free'>{escape(free_report_text(report))}</pre>"
+
+
+def _snapshot_shown_text(snap: Snapshot) -> str:
+    # --json: the terminal and the notebook show the JSON text, and no HTML table.
+    return snap.to_json_text() if snap.view == "json" else snapshot_text(snap)
+
+
+def _snapshot_shown_html(snap: Snapshot) -> str | None:
+    return None if snap.view == "json" else snapshot_html(snap)
+
+
+renders(Snapshot, _snapshot_shown_text, _snapshot_shown_html)
+renders(FreeReport, free_report_text, free_report_html)

@@ -13,13 +13,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Sequence
 
 from ..errors import OomMagicError
-
-if TYPE_CHECKING:
-    from ..watch import CellRecord
+from ..records.cell import CellRecord
 
 OOM_COLOR = "#e45756"
 LABEL_COLOR = "#666666"
@@ -74,14 +72,14 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
     if device is None:
         device = records[-1].device if records else None
     shown = [r for r in records if r.device == device and r.execution_count is not None]
-    if not shown:
+    if not shown or device is None:
         raise OomMagicError(f"no cells recorded{' on ' + device if device else ''} yet: the timeline records each "
                             "cell run after torch is imported with the extension loaded; run a cell, then plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    cells = tuple(int(r.execution_count) for r in shown)  # type: ignore[arg-type]
+    cells = tuple(r.execution_count or 0 for r in shown)  # every shown cell has its count (filtered above)
     series = _series(shown, device)
     figure = Figure(figsize=(8, 3.6), dpi=dpi)
     FigureCanvasAgg(figure)
@@ -99,12 +97,12 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
         else:
             ax.plot(cells, [math.nan if v is None else v / unit for v in values], label=name, marker="o",
                     markersize=3, linewidth=1.5)
-    oom_cells = tuple(r.execution_count for r in shown if r.oom)
+    oom_cells = tuple(x for x, r in zip(cells, shown) if r.oom)
     where = ax.get_xaxis_transform()  # x in data, y in axes fraction
     for x in oom_cells:
         ax.axvline(x, color=OOM_COLOR, linestyle="--", linewidth=1.2)
         ax.text(x, 0.99, " OOM", color=OOM_COLOR, transform=where, ha="left", va="top", fontsize=8)
-    labels = tuple((r.execution_count, r.label) for r in shown if r.label)
+    labels = tuple((x, r.label) for x, r in zip(cells, shown) if r.label)
     for x, label in labels:
         ax.axvline(x, color=LABEL_COLOR, linestyle=":", linewidth=1.0)
         ax.text(x, 0.97, _plain(label), rotation=90, color=LABEL_COLOR, transform=where, ha="right", va="top",
@@ -119,7 +117,7 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     figure.tight_layout()
     saved = _save(figure, path) if path else None
-    return Timeline(device, cells, series, oom_cells, labels, saved, figure)  # type: ignore[arg-type]
+    return Timeline(device, cells, series, oom_cells, labels, saved, figure)
 
 
 def _unit(largest: int) -> tuple[str, int]:

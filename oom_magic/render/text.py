@@ -4,14 +4,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from collections.abc import Iterable
 
+from ..records.cleanup import FreeReport, StillHeld
+from ..records.shown import renders
+from ..records.snapshot import STALE_KINDS, KernelInfo, Snapshot
 from .segments import Segment, memory_segments
 from .units import format_bytes, one_line
 
 if TYPE_CHECKING:
-    from ..cleanup import FreeReport
     from ..devices import DeviceReading
-    from ..jupyter_kernels import KernelInfo
-    from ..snapshot import Snapshot
+    from ..processes import ProcessInfo
 
 BAR_WIDTH = 40
 _BAR_CHARS = {"user": "█", "stale": "▓", "other": "▒", "untracked": "░", "cache": "▚",
@@ -57,7 +58,7 @@ def snapshot_text(snap: Snapshot) -> str:
         f"{_BAR_CHARS.get(s.key, '#')} {s.label}" for s in segments if s.bytes)]
     lines.append("this process" + (f" ({format_bytes(r.process_used)} resident)" if snap.device == "cpu" else ""))
     lines += table((s.label, format_bytes(s.bytes), s.explain) for s in segments if s.key != "free")
-    stale_parts = [(k, b) for k, b in snap.bytes_by_kind if k in ("output-cache", "traceback", "garbage") and b]
+    stale_parts = [(k, b) for k, b in snap.bytes_by_kind if k in STALE_KINDS and b]
     if stale_parts:
         lines.append("  stale is " + ", ".join(f"{k} {format_bytes(b)}" for k, b in stale_parts))
     if r.processes:
@@ -77,7 +78,7 @@ def snapshot_text(snap: Snapshot) -> str:
     return "\n".join(map(one_line, lines))  # outside text stays on its line
 
 
-def _process_label(p, kernel: KernelInfo | None = None) -> str:
+def _process_label(p: ProcessInfo, kernel: KernelInfo | None = None) -> str:
     parts = [p.name or "?"]
     if p.user:
         parts.append(f"user {p.user}")
@@ -106,7 +107,7 @@ def free_report_text(report: FreeReport) -> str:
         lines.append(f"resident memory that came back: {format_bytes(max(back, 0))} of those "
                      f"{format_bytes(report.freed_bytes)} (the rest was mapped from a file, or the C allocator keeps it)")
     for held in report.still_held:
-        lines.append(held.sentence())
+        lines.append(still_held_text(held))
     before, after = report.before, report.after
     if report.device == "cpu" and before.process_used is not None and after.process_used is not None:
         # The machine's total moves with every other process: this process's resident memory is what freeing moved.
@@ -118,3 +119,13 @@ def free_report_text(report: FreeReport) -> str:
                         if before.process_used is not None else ""))
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(map(one_line, lines))  # outside text stays on its line
+
+
+def still_held_text(held: StillHeld) -> str:
+    """"`model` deleted; its 12.55 GiB are still held by `model2` and `opt.state`"."""
+    names = [f"`{h}`" for h in held.holders]
+    joined = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return f"`{held.name}` deleted; its {format_bytes(held.bytes)} are still held by {joined}"
+
+
+renders(StillHeld, still_held_text)

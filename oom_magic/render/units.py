@@ -9,11 +9,11 @@ def format_bytes(n: int | None, *, signed: bool = False) -> str:
     if n is None:
         return "n/a"
     sign = ("+" if n > 0 else "-" if n < 0 else "") if signed else ("-" if n < 0 else "")
-    value = abs(int(n))
+    value: float = abs(int(n))
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if value < 1024 or unit == "TiB":
             if unit == "B":
-                return f"{sign}{value} B"
+                return f"{sign}{int(value)} B"
             return f"{sign}{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

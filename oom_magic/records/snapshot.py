@@ -1,0 +1,201 @@
+"""The %gpumem record: what uses a device right now and who holds each live storage.
+
+Also home of the holder kinds (who keeps a storage alive), which the heap attribution
+(``holders``), cleanup and the renderers share.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+from .data import record_dict
+from .shown import Shown
+
+if TYPE_CHECKING:  # annotation only: the reading's record lives beside the code that reads it
+    from ..devices import DeviceReading
+
+HolderKind = Literal["user", "output-cache", "traceback", "garbage", "other"]
+USER: Final = "user"
+OUTPUT_CACHE: Final = "output-cache"
+TRACEBACK: Final = "traceback"
+GARBAGE: Final = "garbage"
+OTHER: Final = "other"
+# Held only by IPython's output cache, a stored traceback or garbage: safe to free.
+STALE_KINDS: Final[tuple[HolderKind, ...]] = (OUTPUT_CACHE, TRACEBACK, GARBAGE)
+HOLDER_KINDS: Final[tuple[HolderKind, ...]] = (USER, OUTPUT_CACHE, TRACEBACK, GARBAGE, OTHER)
+
+View = Literal["table", "json"]
+# The parts of a device the bar and tables show, in their fixed order (render.segments names them).
+SegmentKey = Literal["user", "stale", "other", "process-rest", "untracked", "cache", "context", "others", "free"]
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One tensor storage on a device: views and tied weights share one and count once."""
+
+    key: int
+    device: str
+    bytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    tensor_count: int
+    holder_kind: HolderKind = "other"
+    holder_path: str | None = None
+    address: int = 0  # the storage's data pointer (0: not read): tells file-mapped bytes on the cpu
+
+
+@dataclass(frozen=True)
+class KernelInfo:
+    """A process that is a kernel of this user's Jupyter server: its notebook and how to stop it."""
+
+    notebook_path: str | None  # relative to the server's root, as Jupyter shows it; None: no session
+    kernel_id: str
+    server_url: str            # the server's address, without its token
+    stop_hint: str             # one line: the notebook's menu, or kill <pid>
+
+
+@dataclass(frozen=True)
+class HolderGroup:
+    """Storages grouped under one holder path, for the top-N table."""
+
+    kind: HolderKind
+    path: str
+    bytes: int
+    storages: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Snapshot(Shown):
+    """What uses a device right now and who holds it; int bytes, None where unknown."""
+
+    device: str
+    reading: DeviceReading
+    storages: tuple[StorageRecord, ...]
+    bytes_by_kind: tuple[tuple[HolderKind, int], ...]
+    scan_seconds: float
+    objects_scanned: int
+    attribution_complete: bool
+    notes: tuple[str, ...] = ()
+    top_n: int = 10
+    view: View = "table"  # how the notebook/terminal shows it
+    heap_scan: bool = True  # False: the quick view (no heap pass; garbage and library-held not found)
+    # Other processes that are kernels of this user's Jupyter servers: (pid, notebook and how to stop it).
+    kernels: tuple[tuple[int, KernelInfo], ...] = ()
+    # cpu: bytes of your variables' storages that are views of a memory-mapped file (safetensors
+    # weights in their stored dtype): not resident until read; None where not read (not Linux, CUDA).
+    user_mapped_bytes: int | None = None
+
+    # Figures the user asks for by name.
+    def kind_bytes(self, kind: HolderKind) -> int:
+        """Bytes of storages held by one holder kind (user, output-cache, traceback, garbage, other)."""
+        return dict(self.bytes_by_kind).get(kind, 0)
+
+    @property
+    def tracked_bytes(self) -> int:
+        """Bytes in every live storage the heap scan found on this device."""
+        return sum(b for _, b in self.bytes_by_kind)
+
+    @property
+    def user_bytes(self) -> int:
+        """Bytes reachable from the user's variables."""
+        return self.kind_bytes(USER)
+
+    @property
+    def stale_bytes(self) -> int:
+        """Bytes only the output cache, a stored traceback or garbage holds: safe to free."""
+        return sum(self.kind_bytes(k) for k in STALE_KINDS)
+
+    @property
+    def other_bytes(self) -> int:
+        """Bytes held by something else (a library global, an object the walk could not name)."""
+        return self.kind_bytes(OTHER)
+
+    @property
+    def untracked_bytes(self) -> int | None:
+        """Allocator total minus tracked storages (autograd graph, workspaces); None without an allocator."""
+        if self.reading.allocated is None or self.device == "cpu":
+            return None
+        return self.reading.allocated - self.tracked_bytes
+
+    def parts(self) -> tuple[tuple[SegmentKey, int | None], ...]:
+        """The device split into the bar's parts, in order: user | stale | other tensors | untracked |
+        cache | context | other processes | free (cpu: the rest of this process instead of the three
+        allocator parts); None where unknown."""
+        r = self.reading
+        found: list[tuple[SegmentKey, int | None]] = [
+            ("user", self.user_bytes), ("stale", self.stale_bytes), ("other", self.other_bytes)]
+        if self.device == "cpu":
+            rest = None if r.process_used is None else max(r.process_used - self.tracked_bytes, 0)
+            elsewhere = None
+            if r.used is not None and r.process_used is not None:
+                elsewhere = max(r.used - max(r.process_used, self.tracked_bytes), 0)
+            found += [("process-rest", rest), ("others", elsewhere)]
+        else:
+            found += [("untracked", self.untracked_bytes), ("cache", r.cache), ("context", r.context),
+                      ("others", r.other_processes_used)]
+        found.append(("free", r.free))
+        return tuple(found)
+
+    def holders(self, kind: HolderKind | None = None) -> tuple[HolderGroup, ...]:
+        """Storages grouped by holder path, largest first (optionally one kind only)."""
+        groups = self._holder_groups
+        return groups if kind is None else tuple(g for g in groups if g.kind == kind)
+
+    @cached_property
+    def _holder_groups(self) -> tuple[HolderGroup, ...]:
+        # Grouped once per snapshot: every view of it (table, caption, details, exports) asks again.
+        groups: dict[tuple[HolderKind, str], list[StorageRecord]] = {}
+        for record in self.storages:
+            groups.setdefault((record.holder_kind, record.holder_path or "?"), []).append(record)
+        result = []
+        for (k, path), rs in groups.items():
+            largest = max(rs, key=lambda r: r.bytes)
+            result.append(HolderGroup(k, path, sum(r.bytes for r in rs), len(rs), largest.dtype, largest.shape))
+        return tuple(sorted(result, key=lambda g: (-g.bytes, g.path)))
+
+    def held_by(self, path_prefix: str) -> int:
+        """Bytes of storages whose holder path starts with ``path_prefix`` (e.g. ``"model"``)."""
+        return sum(r.bytes for r in self.storages
+                   if r.holder_path is not None and _path_under(r.holder_path, path_prefix))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every figure (int bytes, None where unknown)."""
+        reading = record_dict(self.reading)
+        reading.update(cache=self.reading.cache, context=self.reading.context)
+        return {
+            "device": self.device,
+            "reading": reading,
+            "bytes_by_kind": dict(self.bytes_by_kind),
+            "user_bytes": self.user_bytes,
+            "stale_bytes": self.stale_bytes,
+            "other_bytes": self.other_bytes,
+            "tracked_bytes": self.tracked_bytes,
+            "untracked_bytes": self.untracked_bytes,
+            "user_mapped_bytes": self.user_mapped_bytes,  # cpu: of user, views of a memory-mapped file
+            "segments": dict(self.parts()),
+            "holders": record_dict(self.holders()),
+            "storages": record_dict(self.storages),
+            "scan_seconds": self.scan_seconds,
+            "objects_scanned": self.objects_scanned,
+            "attribution_complete": self.attribution_complete,
+            "notes": list(self.notes),
+            "heap_scan": self.heap_scan,
+            "jupyter_kernels": {str(pid): record_dict(info) for pid, info in self.kernels},
+        }
+
+    def to_json_text(self) -> str:
+        """The snapshot as indented JSON text."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __repr__(self) -> str:
+        return (f"<Snapshot {self.device}: {len(self.storages)} storages, user={self.user_bytes} B, "
+                f"stale={self.stale_bytes} B, untracked={self.untracked_bytes}>")
+
+
+def _path_under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith((prefix + ".", prefix + "[", prefix + " "))
+

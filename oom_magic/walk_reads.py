@@ -1,0 +1,149 @@
+"""Read an object's parts at C level, so none of the user's code runs: its type's dict and MRO, an
+instance's attributes and slots, a function's ``__dict__``, an object array's items.
+
+What the walk, its naming (``walk_names``) and re-reading (``walk_resolve``) all read through.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import types
+from typing import Any
+from collections.abc import Callable
+
+type_dict = type.__dict__["__dict__"].__get__
+type_mro = type.__dict__["__mro__"].__get__
+type_name = type.__dict__["__name__"].__get__
+
+
+def is_plain_key(key: Any) -> bool:
+    """Whether a key is shown by value (str, int, float, bool, bytes, None): by identity of its type."""
+    cls = type(key)
+    return cls is str or cls is int or cls is float or cls is bool or cls is bytes or key is None
+
+
+def mro_has(cls: type, base: type) -> bool:
+    """Whether ``base`` is in ``cls``'s MRO, by identity (no metaclass ``__eq__``/``__hash__`` runs)."""
+    try:
+        return any(k is base for k in type_mro(cls))
+    except Exception:
+        return False
+
+
+def function_dict(f: types.FunctionType) -> dict | None:
+    try:
+        d = types.FunctionType.__dict__["__dict__"].__get__(f)
+    except Exception:
+        return None
+    return d if type(d) is dict and dict.__len__(d) else None
+
+
+def array_items(array: Any, ndarray: Any) -> list[Any]:
+    """The objects in a numpy object array (none for any other dtype), read through ndarray's own methods."""
+    if ndarray is None:
+        return []
+    try:
+        if not ndarray.dtype.__get__(array).hasobject:
+            return []
+        return ndarray.tolist(ndarray.ravel(array))
+    except Exception:
+        return []
+
+
+def mapping_items(klass: type) -> list[tuple[Any, Any]]:
+    try:
+        return list(type_dict(klass).items())  # a mappingproxy over the class dict: C-level
+    except Exception:
+        return []
+
+
+def find_referent(objs: list[Any], obj_id: int) -> Any:
+    for o in objs:
+        if id(o) == obj_id:
+            return o
+    return None
+
+
+def deque_type() -> type[collections.deque]:
+    return collections.deque
+
+
+def deque_iter() -> Callable[[Any], Any]:
+    return deque_type().__iter__
+
+
+def qualname(cls: type) -> str:
+    try:
+        name = type.__dict__["__qualname__"].__get__(cls)
+        return name if type(name) is str else "?"
+    except Exception:
+        return "?"
+
+
+def plain_dict_slot(cls: type) -> bool:
+    """Whether the first ``__dict__`` along ``cls``'s MRO is CPython's own descriptor (no user code)."""
+    try:
+        for klass in type_mro(cls):
+            found = type_dict(klass).get("__dict__", MISSING)
+            if found is not MISSING:
+                return type(found) is types.GetSetDescriptorType or type(found) is types.MemberDescriptorType
+    except Exception:
+        return False
+    return False
+MISSING = object()  # what a read returns where the object has no such part
+
+
+def instance_dict_if_present(obj: Any) -> dict | None:
+    """The instance's ``__dict__`` if one is already materialised and reachable as a referent."""
+    for ref in gc.get_referents(obj):
+        if type(ref) is dict:
+            d = instance_attributes(obj)
+            return d if d is ref else None
+    return None
+
+
+def instance_attributes(obj: Any) -> dict:
+    """An object's ``__dict__`` read through CPython's own slot (no user code runs), or {}.
+
+    On Python 3.11+ this makes the dict if the instance kept its attributes inline: it is called
+    only for objects on a path being named (a handful), never per object walked.
+    """
+    if not plain_dict_slot(type(obj)):
+        return {}
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return {}
+    return d if type(d) is dict else {}
+
+
+def read_attribute(obj: Any, name: Any) -> Any:
+    """``obj.name`` read without running code: a slot's member descriptor, or the instance's own value."""
+    if type(name) is not str:
+        return MISSING
+    cls = type(obj)
+    if cls is dict:  # a module's child dicts are walked as dicts with attribute-looking keys
+        return dict.get(obj, name, MISSING)
+    try:
+        mro = type_mro(cls)
+    except Exception:
+        return MISSING
+    for klass in mro:
+        found = type_dict(klass).get(name, MISSING)
+        if found is not MISSING:
+            if type(found) is types.MemberDescriptorType:
+                try:
+                    return found.__get__(obj, cls)
+                except AttributeError:
+                    return MISSING
+            if klass is BaseException and type(found) is types.GetSetDescriptorType:
+                return found.__get__(obj, cls)
+            return MISSING  # a property or other descriptor: reading it could run code
+    if not plain_dict_slot(cls):
+        return MISSING
+    try:
+        # The name is no descriptor of the class: this reads the instance's own value (inline or in
+        # its dict) without making a dict or calling __getattr__.
+        return object.__getattribute__(obj, name)
+    except AttributeError:
+        return MISSING
