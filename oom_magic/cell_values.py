@@ -47,16 +47,22 @@ class Unknown:
 
 @dataclass(frozen=True)
 class DtypeValue:
+    """A torch dtype, by name ('bfloat16')."""
+
     name: str
 
 
 @dataclass(frozen=True)
 class DeviceValue:
+    """A torch.device, as str() writes it ('cuda:0')."""
+
     name: str
 
 
 @dataclass(frozen=True)
 class QuantValue:
+    """A quantization config: bitsandbytes' kind and double quantization, or another config's type name."""
+
     kind: str | None  # 'int8' | 'nf4' | 'fp4' | None (not bitsandbytes)
     double_quant: bool
     type_name: str
@@ -88,8 +94,7 @@ class Opaque:
 
 _TORCH_DTYPES = frozenset({"float32", "float", "float16", "half", "bfloat16", "float64", "double",
                            "int8", "uint8", "int16", "int32", "int64", "bool"})
-
-
+_MISSING = object()  # an attribute a module's own __dict__ does not hold
 
 
 def _qualified(obj: object) -> str | None:
@@ -406,5 +411,3 @@ class Resolver:
                 return base.joinpath(*args)  # type: ignore[arg-type]
         return Unknown(f"`{shorten(ast.unparse(node))}` is computed when the cell runs")
 
-
-_MISSING = object()

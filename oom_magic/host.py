@@ -101,8 +101,6 @@ def _cgroup_headroom() -> int | None:
     return max(limit - usage + inactive, 0)
 
 
-
-
 def ram_total() -> int | None:
     """The machine's RAM in bytes (psutil), or None when psutil cannot say."""
     try:

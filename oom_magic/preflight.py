@@ -8,7 +8,7 @@ never unpickled. The result is a ``Preflight`` record (``records.preflight``).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
@@ -35,20 +35,23 @@ __all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadCall
 CUDA_CONTEXT_BYTES = 512 * 1024**2
 
 
+@dataclass
 class _Budgets:
-    """Free memory per device, read once per check (NVML for CUDA, no context; psutil for RAM)."""
+    """Free memory per device, read once per check (NVML for CUDA, no context; psutil for RAM).
 
-    def __init__(self, free_bytes: int | None, total_bytes: int | None, ram_bytes: int | None,
-                 disk_bytes: int | None, headroom: str | int | None, nvml: Any, target: Target | None = None) -> None:
-        self.target = target
-        self.free_override = free_bytes
-        self.total_override = total_bytes
-        self.ram_override = ram_bytes
-        self.disk_override = disk_bytes
-        self.headroom_spec = headroom
-        self.nvml = nvml
-        self.cache: dict[str, tuple[int | None, int | None, int, str | None]] = {}
-        self.limits: dict[str, int] = {}  # per-process caps (torch.cuda.set_per_process_memory_fraction)
+    The overrides (planning, tests) replace this machine's readings; ``target`` checks against
+    that GPU's usable memory instead of this machine's devices.
+    """
+
+    free_override: int | None
+    total_override: int | None
+    ram_override: int | None
+    disk_override: int | None
+    headroom_spec: str | int | None
+    nvml: Any
+    target: Target | None = None
+    cache: dict[str, tuple[int | None, int | None, int, str | None]] = field(default_factory=dict)
+    limits: dict[str, int] = field(default_factory=dict)  # per-process caps (set_per_process_memory_fraction)
 
     def device(self, device: str) -> tuple[int | None, int | None, int, str | None]:
         """(free, total, context still to come, why unknown) for a device."""
