@@ -1,4 +1,4 @@
-"""Find the model and checkpoint loads in a cell's source, and what each asks for, without running it.
+"""The model and checkpoint loads a cell will make, read from its source without running it.
 
 The cell is parsed with ``ast``: ``from_pretrained``, ``torch.load`` and safetensors'
 ``load_file`` calls are found in statement order, their arguments resolved by ``cell_values``

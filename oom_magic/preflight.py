@@ -207,8 +207,7 @@ def load_target(cell: str, namespace: Mapping[str, Any] | None = None) -> str | 
                 keys = read_checkpoint_keys(call.checkpoint)
             except OomMagicError:
                 keys = None
-            saved = {device_text(loc) for loc in (keys.locations if keys else ())}
-            where = saved.pop() if len(saved) == 1 else "cpu"
+            where = _saved_device(keys)
         if where == "auto":
             from .devices import available_devices
 
@@ -216,6 +215,12 @@ def load_target(cell: str, namespace: Mapping[str, Any] | None = None) -> str | 
         if where is not None and where not in ("mixed", "disk", "meta", "unknown"):
             return where
     return None
+
+
+def _saved_device(keys: CheckpointKeys | None) -> str:
+    """Where torch.load without map_location puts a checkpoint: the one device it was saved from, else the cpu."""
+    saved = {device_text(loc) for loc in (keys.locations if keys else ())}
+    return saved.pop() if len(saved) == 1 else "cpu"
 
 
 def _measured_device(check: FitCheck) -> str | None:
@@ -246,8 +251,7 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
         except OomMagicError:
             keys = None
         if where is None:
-            saved = {device_text(loc) for loc in (keys.locations if keys else ())}
-            where = saved.pop() if len(saved) == 1 else "cpu"
+            where = _saved_device(keys)
     lints = load_lints(call, estimate, keys, _load_dtype(call, estimate.declared_dtype, _stored_float(estimate)))
     need, dtype = _need(call, estimate)
     where = where or "cpu"
