@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import zipfile
@@ -18,7 +17,9 @@ from oom_magic.errors import OomMagicError
 from oom_magic.estimate import estimate_checkpoint
 from oom_magic.preflight import (CUDA_CONTEXT_BYTES, find_load_calls, load_target, parse_headroom,
                                  preflight_check, read_checkpoint_keys, usable_ram)
-from oom_magic.render.guard import option_code, preflight_html, preflight_text, size_literal
+from oom_magic.host import cuda_process_cap, disk_free, ram_total
+from oom_magic.render.guard import lint_text, option_code, preflight_html, preflight_text, size_literal
+from oom_magic.sizes import quoted, shorten
 from oom_magic.render.units import format_bytes
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -301,7 +302,7 @@ def test_torch_load_lints_fire(models):
     sizes = dict(training.sizes)
     assert sizes["optimizer"] == models["optimizer_bytes"] + 0  # the scheduler holds no tensors
     assert sizes["total"] == models["optimizer_bytes"] + models["model_bytes"]
-    text = training.text()
+    text = str(training)  # the registered renderer: render.guard.lint_text
     assert "'optimizer', 'scheduler' hold" in text and format_bytes(sizes["optimizer"]) in text
     assert "mmap=True)['model_state_dict']" in text
 
@@ -456,3 +457,23 @@ def test_hostile_user_objects_are_never_called():
     assert [c.verdict for c in result.checks] == ["unknown", "unknown"]
     assert "a Hostile object, not a path" in result.checks[0].reason
     assert load_target(cell, ns) is None and calls == []
+
+
+def test_preflight_and_lint_show_through_their_registered_renderers():
+    result = preflight_check("import torch\nsd = torch.load('missing.pt')", {})
+    assert str(result) == preflight_text(result) and result._repr_html_() == preflight_html(result)
+    lint = result.lint("map-location")
+    assert str(lint) == lint_text(lint) and str(lint).startswith("lint (line 2): torch.load without map_location")
+    assert repr(result) == "<Preflight 1 load(s): unknown; 2 lint(s)>"
+
+
+def test_outside_text_is_shortened_one_way():
+    assert shorten("torch.load(\n    p,\n    map_location='cpu')") == "torch.load( p, map_location='cpu')"
+    assert shorten("x" * 200, 10) == "x" * 9 + "…"
+    assert quoted("x" * 50) == repr("x" * 40 + "...") and quoted("16XB") == "'16XB'"
+
+
+def test_host_budgets_read_this_machine(tmp_path):
+    assert ram_total() == psutil.virtual_memory().total
+    assert 0 < disk_free(str(tmp_path)) <= psutil.disk_usage(str(tmp_path)).total
+    assert cuda_process_cap("cpu") is None  # only a CUDA device can carry a per-process cap

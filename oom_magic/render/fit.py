@@ -1,14 +1,16 @@
-"""The fit check as the command prints it: the guard's preflight text and a verdict, or JSON."""
+"""The fit check as the command prints it: the guard's preflight text and a verdict, or JSON.
+
+Registers how a ``Preflight`` and a ``Lint`` show themselves (str, IPython, HTML).
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .guard import option_code, preflight_text, target_label
+from ..records.preflight import FitCheck, Lint, Preflight
+from ..records.shown import renders
+from .guard import lint_text, option_code, preflight_html, preflight_text, target_label
 from .json import record_dict
 from .units import format_bytes
-
-if TYPE_CHECKING:
-    from ..preflight import FitCheck, Preflight
 
 
 def verdict_line(preflight: Preflight) -> str:
@@ -54,6 +56,10 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
         "verdict": "unknown" if preflight.fits is None else "fits" if preflight.fits else "will-not-fit",
         "summary": verdict_line(preflight),
         "checks": checks,
-        "lints": [dict(record_dict(x), text=x.text()) for x in preflight.lints],
+        "lints": [dict(record_dict(x), text=lint_text(x)) for x in preflight.lints],
         "notes": list(preflight.notes),
     }
+
+
+renders(Preflight, preflight_text, preflight_html)
+renders(Lint, lint_text)

@@ -1,0 +1,141 @@
+"""The fit check's records: the loads found in a cell, each load's fit verdict, the lints, the whole preflight.
+
+Frozen dataclasses with int bytes (None where unknown). They are drawn by ``render.fit``, which
+registers their text and HTML with ``shown.renders``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from .shown import Shown
+
+if TYPE_CHECKING:
+    # Records of the advice and the target GPU, still beside the code that builds them.
+    from ..diagnose import FitOption
+    from ..offload import OffloadCheck
+    from ..targets import Target
+
+__all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "Preflight", "Severity", "Verdict"]
+
+LoadKind = Literal["from_pretrained", "torch.load", "load_file"]
+Verdict = Literal["fits", "will-not-fit", "unknown"]
+LintCode = Literal["map-location", "weights-only", "safetensors-sibling", "training-checkpoint", "fp32-of-half"]
+Severity = Literal["warning", "info"]
+
+
+@dataclass(frozen=True)
+class LoadCall:
+    """One model or checkpoint load found in the cell, with its arguments as far as they resolve."""
+
+    kind: LoadKind
+    line: int
+    source: str  # the call as written, shortened to one line
+    target: str | None  # the variable the result is assigned to
+    checkpoint: str | None  # path or hub id, resolved; None when it cannot be known before running
+    unresolved: str | None  # why the checkpoint is unknown
+    dtype: str | None  # requested load dtype ('bfloat16', 'float32', 'auto'); None = not given
+    quantization: str | None  # 'int8' | 'nf4' | 'fp4' | another config's name
+    double_quant: bool
+    device: str | None  # where the weights land: 'cuda:0', 'cuda', 'cpu', 'mps', 'auto', 'mixed'; None = default
+    max_memory: tuple[tuple[int | str, int], ...] | None
+    offload_folder: str | None
+    map_location_given: bool = False
+    weights_only: bool | None = None  # None: not given; False: explicitly off
+    mmap: bool = False
+    moved_to: str | None = None  # .to(device) / .cuda() applied to the result
+    cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
+    notes: tuple[str, ...] = ()
+    skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
+
+
+@dataclass(frozen=True)
+class FitCheck:
+    """Will one load fit where it is going: need against the free memory there, with headroom."""
+
+    call: LoadCall
+    device: str  # where it must fit ('cuda:0', 'cpu'; 'auto' spreads over device + RAM)
+    verdict: Verdict
+    reason: str | None  # why 'unknown', in words
+    need: int | None  # bytes the weights take there
+    dtype: str | None  # the dtype `need` assumes; None = as stored
+    free: int | None  # free on that device now
+    context: int  # the CUDA context still to come (0 once CUDA is initialized, and off CUDA)
+    headroom: int
+    parameters: int | None = None
+    format: str | None = None
+    declared_dtype: str | None = None
+    split: tuple[tuple[str, int], ...] = ()  # device_map="auto": (place, bytes) for device, cpu, disk
+    options: tuple[FitOption, ...] = ()
+    files: int = 0
+    estimate: Any = field(default=None, repr=False, compare=False)  # the CheckpointEstimate (no tensors)
+    process_cap: int | None = None  # torch.cuda.set_per_process_memory_fraction's limit, when set
+    # --target: checked against that GPU's usable memory (free = usable, context already in it), not this device
+    target: Target | None = None
+    offload: OffloadCheck | None = None  # the advised offload plan's CPU and disk shares checked here
+    # --target: the same load checked against this machine too (a 25 GiB load must not run on a
+    # 24 GiB machine because an 80 GiB target would hold it); None without --target
+    local: FitCheck | None = None
+    # cpu loads: RAM at the load's peak when above `need` (a cast or MoE fusion copies beside the
+    # file pages it reads; see load_peak); None when the peak is the weights themselves
+    ram_peak: int | None = None
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes the load may use: free − context − headroom (device + RAM for device_map="auto")."""
+        if self.split:
+            return sum(b for _, b in self.split)
+        if self.free is None:
+            return None
+        return self.free - self.context - self.headroom
+
+    @property
+    def margin(self) -> int | None:
+        """Budget − need: what stays free after the load (negative: the shortfall)."""
+        if self.need is None or self.budget is None:
+            return None
+        return self.budget - max(self.need, self.ram_peak or 0)
+
+
+@dataclass(frozen=True)
+class Lint(Shown):
+    """One problem in a load call, one line, with the fix. ``{name}`` in the message is a size."""
+
+    code: LintCode
+    line: int
+    message: str
+    fix: str
+    severity: Severity = "warning"
+    sizes: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Preflight(Shown):
+    """What the cell will load, whether it fits, and what in the calls should change."""
+
+    device: str | None  # the device the guard measures; None when no load targets one
+    calls: tuple[LoadCall, ...]
+    checks: tuple[FitCheck, ...]
+    lints: tuple[Lint, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def will_not_fit(self) -> tuple[FitCheck, ...]:
+        """The loads that will not fit where they are going (under --target: there, or here)."""
+        return tuple(c for c in self.checks if c.verdict == "will-not-fit"
+                     or (c.local is not None and c.local.verdict == "will-not-fit"))
+
+    @property
+    def fits(self) -> bool | None:
+        """True when every sized load fits, False when one will not, None when none could be sized."""
+        if self.will_not_fit:
+            return False
+        return True if any(c.verdict == "fits" for c in self.checks) else None
+
+    def lint(self, code: str) -> Lint | None:
+        """The first lint with this code, or None."""
+        return next((x for x in self.lints if x.code == code), None)
+
+    def __repr__(self) -> str:
+        verdicts = ", ".join(c.verdict for c in self.checks) or "no load found"
+        return f"<Preflight {len(self.calls)} load(s): {verdicts}; {len(self.lints)} lint(s)>"
