@@ -112,40 +112,44 @@ def size_from_config(config: Path, declared: str | None) -> list[tuple[str, str,
     return list(_cache[key])
 
 
-def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+def _wait_bounded(proc: subprocess.Popen[bytes], config: Path) -> None:
+    """Wait for the child, killing it (OomMagicError) past MEMORY_LIMIT resident or TIME_LIMIT seconds."""
     import psutil
 
     from .render.units import format_bytes
 
+    watched = psutil.Process(proc.pid)
+    deadline = time.monotonic() + TIME_LIMIT
+    while proc.poll() is None:
+        try:
+            rss = watched.memory_info().rss
+        except psutil.Error:
+            rss = 0
+        if rss > MEMORY_LIMIT:
+            raise OomMagicError(f"{config.name}: building the model it describes took more than "
+                                f"{format_bytes(MEMORY_LIMIT)} of memory; stopped, not sized")
+        if time.monotonic() > deadline:
+            raise OomMagicError(f"{config.name}: building the model it describes took longer than "
+                                f"{TIME_LIMIT:g} s; stopped, not sized")
+        time.sleep(0.05)
+
+
+def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
     # Its answer goes to a file, not a pipe: a big model's rows fill a pipe's 64 KiB and the child
     # would block writing them while this loop waits for it to exit.
-    answer_file = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(config.parent), declared or ""],
-                            stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
-    try:
-        watched = psutil.Process(proc.pid)
-        deadline = time.monotonic() + TIME_LIMIT
-        while proc.poll() is None:
-            try:
-                rss = watched.memory_info().rss
-            except psutil.Error:
-                rss = 0
-            if rss > MEMORY_LIMIT:
-                raise OomMagicError(f"{config.name}: building the model it describes took more than "
-                                    f"{format_bytes(MEMORY_LIMIT)} of memory; stopped, not sized")
-            if time.monotonic() > deadline:
-                raise OomMagicError(f"{config.name}: building the model it describes took longer than "
-                                    f"{TIME_LIMIT:g} s; stopped, not sized")
-            time.sleep(0.05)
-        answer_file.seek(0)
-        out = answer_file.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        answer_file.close()
+    with tempfile.TemporaryFile() as answer_file:
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(config.parent), declared or ""],
+                                stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
+        try:
+            _wait_bounded(proc, config)
+            answer_file.seek(0)
+            out = answer_file.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     try:
         answer = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError):

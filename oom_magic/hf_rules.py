@@ -15,21 +15,27 @@ by bitsandbytes' documented layout (bitsandbytes need not be installed):
   with double quantization the absmax is uint8 plus, per 256 blocks, a float32 absmax and one
   float32 offset (the nested 256-entry code is one shared map, ``name2qmap["dynamic"]``: left out).
 
-This imports torch and transformers: it runs only when a quantized or float16 load is asked for
-and the user's cell runs that load anyway (the preflight of a ``from_pretrained`` cell), never on
-its own. Built models are bounded (``MAX_TENSORS``) and the answers cached per config file.
+It imports neither torch nor transformers: it uses them only when the user's process already has
+(``sys.modules``), and answers None otherwise, so header arithmetic answers instead. Built models
+are bounded (``MAX_TENSORS``) and the answers cached per config file.
 """
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ._torch import loaded_torch
+from .dtypes import FLOAT_BYTES, QUANTIZED
 
 __all__ = ["HeldBytes", "MAX_TENSORS", "held_bytes"]
 
 MAX_TENSORS = 20_000  # a meta model past this (a 1000-layer config) is not worth a second of build
-_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _BLOCK = 64  # BitsAndBytesConfig's 4-bit blocksize
 _NESTED_BLOCK = 256  # double quantization: absmax quantized per 256 blocks
 _CODE_4BIT = 16 * 4  # nf4/fp4 code table: 16 float32
@@ -58,9 +64,11 @@ def held_bytes(
     """Size a load of the model in ``config_dir`` as ``dtype`` by transformers' own rules.
 
     ``dtype``: 'float16' / 'bfloat16' / 'float32' or 'int8' / 'nf4' / 'fp4' (bitsandbytes, the
-    rest of the weights in ``unquantized_dtype``). None when torch or transformers is missing,
-    the config cannot be built, or the model has more than ``MAX_TENSORS`` tensors.
+    rest of the weights in ``unquantized_dtype``). None when torch or transformers is not already
+    imported, the config cannot be built, or the model has more than ``MAX_TENSORS`` tensors.
     """
+    if _loaded() is None:
+        return None  # never imported here: checked before the cache, so a later import is used
     config = Path(config_dir) / "config.json"
     try:
         stamp = config.stat().st_mtime_ns
@@ -80,16 +88,24 @@ def _held_cached(config: str, stamp: int, dtype: str, rest: str, double_quant: b
         return None
 
 
+def _loaded() -> tuple[ModuleType, ModuleType] | None:
+    """torch and transformers when the user's process has imported both, else None."""
+    torch, transformers = loaded_torch(), sys.modules.get("transformers")
+    return None if torch is None or transformers is None else (torch, transformers)
+
+
 def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[str, ...] | None) -> HeldBytes | None:
-    # Imported here only: the caller's cell is about to run a transformers load, which imports both.
-    import torch
-    import transformers
+    modules = _loaded()
+    if modules is None:
+        return None
+    torch, transformers = modules
+    # Submodules of the transformers the user imported (it imports them itself on a load).
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    quantized = dtype in ("int8", "nf4", "fp4")
+    quantized = dtype in QUANTIZED
     float_name = rest if quantized else dtype
-    if float_name not in _FLOAT_BYTES:
+    if float_name not in FLOAT_BYTES:
         return None
     float_dtype = getattr(torch, float_name)
     model_config = transformers.AutoConfig.from_pretrained(str(config.parent), local_files_only=True,
@@ -99,7 +115,7 @@ def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[s
     if len(tensors) > MAX_TENSORS:
         return None
     keep_fp32 = _float32_matcher(model, float_dtype)
-    replaced: dict[str, object] = {}
+    replaced: dict[str, Any] = {}
     conv1d = None
     not_convert: tuple[str, ...] = ()
     if quantized:
@@ -128,17 +144,17 @@ def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[s
             size = tensor.numel() * 4
             fp32 += size
         else:
-            size = tensor.numel() * _FLOAT_BYTES[float_name]
+            size = tensor.numel() * FLOAT_BYTES[float_name]
             if quantized:
                 kept16 += size
         total += size
     return HeldBytes(dtype, total, quant, fp32, kept16, not_convert)
 
 
-def _weights(model) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
+def _weights(model: Any) -> list[tuple[str, Any]]:
     """Each unique parameter and persistent buffer once (tied weights once), with its name."""
     seen: set[int] = set()
-    found = []
+    found: list[tuple[str, Any]] = []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         items = list(module._parameters.items()) + [
@@ -154,7 +170,7 @@ def _weights(model) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
     return found
 
 
-def _float32_matcher(model, float_dtype):  # type: ignore[no-untyped-def]
+def _float32_matcher(model: Any, float_dtype: Any) -> Callable[[str], bool]:
     """transformers' dtype plan for this load: which parameter names stay float32."""
     plan = model._get_dtype_plan(float_dtype) if hasattr(model, "_get_dtype_plan") else {}
     if not plan:
@@ -165,7 +181,7 @@ def _float32_matcher(model, float_dtype):  # type: ignore[no-untyped-def]
     return lambda name: pattern.search(name) is not None
 
 
-def _conv1d():  # type: ignore[no-untyped-def]
+def _conv1d() -> Any:
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:
@@ -173,7 +189,7 @@ def _conv1d():  # type: ignore[no-untyped-def]
     return Conv1D
 
 
-def _out_features(module, weight, conv1d) -> int:  # type: ignore[no-untyped-def]
+def _out_features(module: Any, weight: Any, conv1d: Any) -> int:
     """Output rows of a replaced module: Conv1D stores [in, out], nn.Linear [out, in]."""
     if conv1d is not None and isinstance(module, conv1d):
         return int(weight.shape[1])
@@ -195,17 +211,18 @@ def _four_bit_bytes(elements: int, double_quant: bool) -> int:
     return packed + blocks + _CODE_4BIT + 4 * nested + 4
 
 
-def _build_on_meta(torch, transformers, model_config, dtype, label: str):  # type: ignore[no-untyped-def]
+def _build_on_meta(torch: Any, transformers: Any, model_config: Any, dtype: Any, label: str) -> Any:
     """Instantiate the config's architecture (else AutoModelForCausalLM, else AutoModel) on meta.
 
-    In this process only when the cell runs a transformers load anyway (config-only sizing, which
-    may not, builds in a bounded child: config_size.py).
+    In this process only when the user has imported torch and transformers (config-only sizing,
+    which need not, builds in a bounded child: config_size.py).
     """
-    candidates = []
+    candidates: list[Callable[..., Any]] = []
     for arch in getattr(model_config, "architectures", None) or []:
         found = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
         if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel):
-            candidates.append(found._from_config)
+            model_class: Any = found  # a PreTrainedModel subclass: untyped here (transformers is not followed)
+            candidates.append(model_class._from_config)
     candidates += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
     error: Exception | None = None
     for build in candidates:

@@ -404,9 +404,9 @@ def _walk_pickle(raw: bytes) -> PickleWalk:
             stack.append(_Global(module, qual))
             w.spent += 2 * _OBJECT + 2 * sizeof(arg)
         elif name == "STACK_GLOBAL":
-            qual, mod = stack.pop(), stack.pop()
+            top, below = stack.pop(), stack.pop()
             # never joined: two memoized long strings would be copied per opcode
-            stack.append(_Global(mod, qual) if isinstance(mod, str) and isinstance(qual, str) else _Box(mod, qual))
+            stack.append(_Global(below, top) if isinstance(below, str) and isinstance(top, str) else _Box(below, top))
             w.spent += 2 * _OBJECT
         elif name == "NEWOBJ_EX":
             kwargs, args, cls = stack.pop(), stack.pop(), stack.pop()
