@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from .errors import OomMagicError
+from .errors import OomMagicError, one_line
 from .torch_zip import open_torch_zip, top_level_keys
 
 __all__ = ["CheckpointFiles", "CheckpointKeys", "find_checkpoint_files", "hub_cache_dir", "one_line",
@@ -116,15 +116,6 @@ def _broken_link(path: Path) -> str | None:
         except OSError:
             return "that leads nowhere"
     return None
-
-
-def one_line(text: object, limit: int = 300) -> str:
-    """An outside string (a file name, a path) fit for a one-line message: control characters
-    and lone surrogates escaped, cut to ``limit`` characters."""
-    text = str(text)
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _cached_snapshot(repo_dir: Path) -> Path | None:

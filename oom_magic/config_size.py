@@ -15,10 +15,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .errors import OomMagicError
 
-__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "declared_layers", "size_from_config"]
+__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "declared_layers", "run_child", "size_from_config"]
 
 MAX_LAYERS = 4096  # more than any released model has (the deepest have a few hundred)
 TIME_LIMIT = 120.0  # seconds
@@ -134,13 +135,22 @@ def _wait_bounded(proc: subprocess.Popen[bytes], config: Path) -> None:
         time.sleep(0.05)
 
 
-def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+def run_child(code: str, args: list[str], label: str) -> dict[str, Any]:
+    """Run ``code`` in a child Python bounded in time and memory; return the JSON object it prints last.
+
+    The child sees no GPU and no network (hub and transformers offline) and can import this
+    package. Raises OomMagicError naming ``label`` when it runs past a bound, prints no JSON
+    object, or reports torch or transformers missing (``{"missing": ...}``).
+    """
+    package_root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    config = Path(label)
     # Its answer goes to a file, not a pipe: a big model's rows fill a pipe's 64 KiB and the child
     # would block writing them while this loop waits for it to exit.
     with tempfile.TemporaryFile() as answer_file:
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(config.parent), declared or ""],
+        proc = subprocess.Popen([sys.executable, "-c", code, *args],
                                 stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
         try:
             _wait_bounded(proc, config)
@@ -153,11 +163,18 @@ def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple
     try:
         answer = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError):
+        answer = None
+    if not isinstance(answer, dict):
         raise OomMagicError(f"{config.name}: sizing it from the config failed (the sizing process exited "
-                            f"with status {proc.returncode})") from None
+                            f"with status {proc.returncode})")
     if "missing" in answer:
         raise OomMagicError(f"{config.name}: sizing a checkpoint from its config alone needs torch and "
                             "transformers (pip install 'oom-magic[hf]')")
+    return answer
+
+
+def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    answer = run_child(_CHILD, [str(config.parent), declared or ""], str(config))
     if "unreadable" in answer:
         raise OomMagicError(f"{config.name}: transformers cannot read it ({answer['unreadable']})")
     if "unbuildable" in answer:

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .checkpoints import CheckpointFiles, find_checkpoint_files, one_line, read_config, resolve_checkpoint, sniff_format
+from .checkpoints import CheckpointFiles, find_checkpoint_files, read_config, resolve_checkpoint, sniff_format
 from .dtypes import DTYPE_BITS, FLOAT_BYTES, QUANTIZED, canonical_dtype, is_floating
-from .errors import OomMagicError
+from .errors import OomMagicError, one_line
 from .safetensors_header import read_safetensors_header, read_safetensors_shards
 from .torch_zip import TensorView, open_torch_zip, storages
 
@@ -139,8 +139,8 @@ class CheckpointEstimate:
         """What transformers' own rules say a quantized or float16 load holds (see hf_rules), or None.
 
         None when this estimate was made without them (``follow_transformers``), the load is not
-        quantized or float16, torch and transformers are not imported yet (the package never
-        imports them), or the model cannot be built on the meta device.
+        quantized or float16, torch or transformers is missing, or the model cannot be built on
+        the meta device.
         """
         canonical = _canonical_request(dtype)
         if self._rules_dir is None or (canonical not in QUANTIZED and canonical != "float16"):
@@ -169,9 +169,9 @@ def estimate_checkpoint(
 
     `follow_transformers`: size quantized and float16 loads by transformers' own rules (fused MoE
     experts stay 16-bit under bitsandbytes, ``_keep_in_fp32_modules`` stay float32; see hf_rules)
-    on a meta model built when such a figure is asked for, if torch and transformers are imported
-    by then (this never imports them on its own; header arithmetic answers otherwise). None
-    (default): only when both are already imported now.
+    on a meta model built when such a figure is asked for: in this process when torch and
+    transformers are imported already, else in a bounded child process (this process never
+    imports them on its own). None (default): only when both are already imported.
 
     `dtype` is None (as stored), 'auto' (config.json's dtype, else as stored), a float dtype
     ('bfloat16', 'fp16', 'torch.float32', ...) or a bitsandbytes load ('int8', 'nf4'); see

@@ -15,13 +15,15 @@ by bitsandbytes' documented layout (bitsandbytes need not be installed):
   with double quantization the absmax is uint8 plus, per 256 blocks, a float32 absmax and one
   float32 offset (the nested 256-entry code is one shared map, ``name2qmap["dynamic"]``: left out).
 
-It imports neither torch nor transformers: it uses them only when the user's process already has
-(``sys.modules``), and answers None otherwise, so header arithmetic answers instead. Built models
-are bounded (``MAX_TENSORS``) and the answers cached per config file.
+The package never imports torch or transformers itself: when the user's process has already
+imported both (``sys.modules``) the model is built here; otherwise in a child Python bounded in
+time and memory (config_size.run_child), which imports them. Built models are bounded
+(``MAX_TENSORS``) and the answers cached per config file.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -64,11 +66,9 @@ def held_bytes(
     """Size a load of the model in ``config_dir`` as ``dtype`` by transformers' own rules.
 
     ``dtype``: 'float16' / 'bfloat16' / 'float32' or 'int8' / 'nf4' / 'fp4' (bitsandbytes, the
-    rest of the weights in ``unquantized_dtype``). None when torch or transformers is not already
-    imported, the config cannot be built, or the model has more than ``MAX_TENSORS`` tensors.
+    rest of the weights in ``unquantized_dtype``). None when torch or transformers is missing,
+    the config cannot be built, or the model has more than ``MAX_TENSORS`` tensors.
     """
-    if _loaded() is None:
-        return None  # never imported here: checked before the cache, so a later import is used
     config = Path(config_dir) / "config.json"
     try:
         stamp = config.stat().st_mtime_ns
@@ -83,7 +83,10 @@ def _held_cached(config: str, stamp: int, dtype: str, rest: str, double_quant: b
                  skip: tuple[str, ...] | None) -> HeldBytes | None:
     del stamp  # part of the cache key only: an edited config.json is sized again
     try:
-        return _held(Path(config), dtype, rest, double_quant, skip)
+        modules = _loaded()
+        if modules is None:  # built in a bounded child, which imports torch and transformers
+            return _held_in_child(Path(config), dtype, rest, double_quant, skip)
+        return held_in_process(*modules, Path(config), dtype, rest, double_quant, skip)
     except Exception:  # noqa: BLE001 - transformers' internals move; header arithmetic stays the answer
         return None
 
@@ -94,12 +97,38 @@ def _loaded() -> tuple[ModuleType, ModuleType] | None:
     return None if torch is None or transformers is None else (torch, transformers)
 
 
-def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[str, ...] | None) -> HeldBytes | None:
-    modules = _loaded()
-    if modules is None:
+# Run by the child: the same sizing with torch and transformers imported there; one JSON line.
+_CHILD = r"""
+import dataclasses, json, sys
+from pathlib import Path
+try:
+    import torch, transformers
+except ImportError as exc:
+    print(json.dumps({"missing": str(exc)})); sys.exit(0)
+from oom_magic.hf_rules import held_in_process
+config, dtype, rest, double_quant, skip = json.loads(sys.argv[1])
+held = held_in_process(torch, transformers, Path(config), dtype, rest, double_quant,
+                       None if skip is None else tuple(skip))
+print(json.dumps({"held": None if held is None else dataclasses.asdict(held)}))
+"""
+
+
+def _held_in_child(config: Path, dtype: str, rest: str, double_quant: bool,
+                   skip: tuple[str, ...] | None) -> HeldBytes | None:
+    from .config_size import run_child
+
+    answer = run_child(_CHILD, [json.dumps([str(config), dtype, rest, double_quant, skip])], str(config))
+    held = answer.get("held")
+    if not isinstance(held, dict):
         return None
-    torch, transformers = modules
-    # Submodules of the transformers the user imported (it imports them itself on a load).
+    held["modules_not_converted"] = tuple(held["modules_not_converted"])
+    return HeldBytes(**held)
+
+
+def held_in_process(torch: Any, transformers: Any, config: Path, dtype: str, rest: str, double_quant: bool,
+                    skip: tuple[str, ...] | None) -> HeldBytes | None:
+    """held_bytes with the given torch and transformers modules (the user's, or the child's)."""
+    # Submodules of the transformers passed in (a load imports them itself).
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 

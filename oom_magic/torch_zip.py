@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple
 
 from .dtypes import DTYPE_BITS, STORAGE_DTYPES
-from .errors import OomMagicError
+from .errors import OomMagicError, one_line
 
 __all__ = ["MAX_PICKLE_BYTES", "MAX_PICKLE_OPS", "PickleWalk", "TensorView", "TorchZip", "ZipStorage",
            "check_zip_directory", "open_torch_zip", "storages", "top_level_keys"]
@@ -139,17 +139,10 @@ class _TooBig(Exception):
     """The opcode stream is longer, or builds more, than the walk's budget; says which."""
 
 
-def _one_line(text: object, limit: int = 100) -> str:
-    text = str(text)
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _detail(exc: BaseException) -> str:
     """An exception's first line, short, for a one-line message."""
     text = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return _one_line(text)
+    return one_line(text, 100)
 
 
 def open_torch_zip(path: str | os.PathLike[str]) -> TorchZip | None:
@@ -160,7 +153,7 @@ def open_torch_zip(path: str | os.PathLike[str]) -> TorchZip | None:
     error here: ``walk`` is None and ``too_big`` says which limit, so callers choose.
     """
     file = Path(path)
-    label = _one_line(file.name, 300)
+    label = one_line(file.name, 300)
     try:
         with open(file, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -178,12 +171,12 @@ def open_torch_zip(path: str | os.PathLike[str]) -> TorchZip | None:
                     if not member.filename.startswith(prefix) or "/" in key:
                         continue
                     if member.header_offset + member.compress_size > size:
-                        raise OomMagicError(f"{label}: member {_one_line(member.filename)!r} runs past the end of "
+                        raise OomMagicError(f"{label}: member {one_line(member.filename, 100)!r} runs past the end of "
                                             "the file; it is truncated")
                     members[key] = member.file_size
                 raw, too_big = _read_pickle(archive, info, label)
     except OSError as exc:
-        raise OomMagicError(f"{label}: cannot read it ({_one_line(exc.strerror or exc)})") from None
+        raise OomMagicError(f"{label}: cannot read it ({one_line(exc.strerror or exc, 100)})") from None
     except (zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, OverflowError, zlib.error,
             struct.error, IndexError, KeyError, RuntimeError) as exc:  # zipfile: unsupported or damaged members
         if isinstance(exc, OomMagicError):
@@ -300,7 +293,7 @@ class _Walker:
                 self.storages[ref.key] = (kind, numel)
                 self.spent += _PAIR
         else:
-            self.problem = self.problem or f"a storage record {_one_line(repr(pid), 80)}"
+            self.problem = self.problem or f"a storage record {one_line(repr(pid), 80)}"
         return ref
 
     def call(self, func: object, args: object) -> _Call:
@@ -473,15 +466,15 @@ def storages(found: TorchZip) -> list[ZipStorage]:
     for key, (kind, numel) in walk.storages.items():
         nbytes = found.members.get(key)
         if nbytes is None:
-            raise OomMagicError(f"{label}: data.pkl names storage {_one_line(key, 80)!r} but the zip has no "
-                                f"data/{_one_line(key, 80)}; the file is incomplete")
+            raise OomMagicError(f"{label}: data.pkl names storage {one_line(key, 80)!r} but the zip has no "
+                                f"data/{one_line(key, 80)}; the file is incomplete")
         untyped = kind.name == "UntypedStorage"
         dtype: str | None = walk.v3_dtypes.get(key, "uint8") if untyped else STORAGE_DTYPES.get(kind.name)
         bits = DTYPE_BITS.get(dtype) if dtype is not None else None
         expected = numel if untyped else (None if bits is None else numel * bits // 8)
         if expected is not None and expected != nbytes:
-            raise OomMagicError(f"{label}: data.pkl says storage {_one_line(key, 80)!r} is {expected} bytes but "
-                                f"data/{_one_line(key, 80)} holds {nbytes}; the file is damaged")
+            raise OomMagicError(f"{label}: data.pkl says storage {one_line(key, 80)!r} is {expected} bytes but "
+                                f"data/{one_line(key, 80)} holds {nbytes}; the file is damaged")
         if bits is None:
             out.append(ZipStorage(key, None, None, nbytes))
             continue
