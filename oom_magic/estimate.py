@@ -27,7 +27,7 @@ from .checkpoints import CheckpointFiles, find_checkpoint_files, read_config, re
 from .dtypes import DTYPE_BITS, FLOAT_BYTES, QUANTIZED, canonical_dtype, is_floating
 from .errors import OomMagicError, one_line
 from .safetensors_header import read_safetensors_header, read_safetensors_shards
-from .torch_zip import TensorView, open_torch_zip, storages
+from .torch_zip import FIX, TensorView, open_torch_zip, storages
 
 if TYPE_CHECKING:
     from .hf_rules import HeldBytes
@@ -366,7 +366,8 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> list[_Stored]:
     """
     found = open_torch_zip(path)
     if found is None:
-        raise OomMagicError(f"{one_line(path.name)}: a zip without a top-level data.pkl; not a torch.save checkpoint")
+        raise OomMagicError(f"{one_line(path.name)}: a zip without a top-level data.pkl; not a torch.save checkpoint: "
+                            f"{FIX}")
     stored = []
     for item in storages(found):
         if item.dtype is None or item.elements is None:

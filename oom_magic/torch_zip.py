@@ -24,7 +24,7 @@ from typing import BinaryIO, NamedTuple
 from .dtypes import DTYPE_BITS, STORAGE_DTYPES
 from .errors import OomMagicError, one_line
 
-__all__ = ["MAX_PICKLE_BYTES", "MAX_PICKLE_OPS", "PickleWalk", "TensorView", "TorchZip", "ZipStorage",
+__all__ = ["FIX", "MAX_PICKLE_BYTES", "MAX_PICKLE_OPS", "PickleWalk", "TensorView", "TorchZip", "ZipStorage",
            "check_zip_directory", "open_torch_zip", "storages", "top_level_keys"]
 
 _MIB = 1024 * 1024
@@ -45,7 +45,7 @@ _MAX_ZIP_MEMBERS = 100_000
 _MAX_ZIP_DIRECTORY = 16 * _MIB
 _ZIP_ENCRYPTED = 0x1  # zip general-purpose flag bit 0: zipfile refuses to open the member without a password
 _COMPRESSION = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "LZMA"}  # torch.load reads stored and deflated only
-_FIX = "re-save it with torch.save or pass a safetensors file"
+FIX = "re-save it with torch.save or pass a safetensors file"  # the fix every refusal of a torch zip names
 # What the walk builds, in bytes as CPython 3.11 lays it out (64-bit, GC header included), rounded
 # up: a stack slot, a tuple or an empty container, one memo entry (its share of the dict at the
 # worst fill), one dict entry's (key, value) pair.
@@ -172,7 +172,7 @@ def open_torch_zip(path: str | os.PathLike[str]) -> TorchZip | None:
                         continue
                     if member.header_offset + member.compress_size > size:
                         raise OomMagicError(f"{label}: member {one_line(member.filename, 100)!r} runs past the end of "
-                                            "the file; it is truncated")
+                                            f"the file; it is truncated: {FIX}")
                     members[key] = member.file_size
                 raw, too_big = _read_pickle(archive, info, label)
     except OSError as exc:
@@ -181,7 +181,7 @@ def open_torch_zip(path: str | os.PathLike[str]) -> TorchZip | None:
             struct.error, IndexError, KeyError, RuntimeError) as exc:  # zipfile: unsupported or damaged members
         if isinstance(exc, OomMagicError):
             raise
-        raise OomMagicError(f"{label}: damaged zip archive ({_detail(exc)}); {_FIX}") from None
+        raise OomMagicError(f"{label}: damaged zip archive ({_detail(exc)}); {FIX}") from None
     if raw is None:
         return TorchZip(label, members, None, too_big)
     try:
@@ -189,11 +189,11 @@ def open_torch_zip(path: str | os.PathLike[str]) -> TorchZip | None:
     except _TooBig as exc:
         return TorchZip(label, members, None, f"{label}: data.pkl {exc}, past what oom-magic walks")
     except Exception as exc:  # noqa: BLE001 - genops on untrusted bytes: anything it trips on means damage
-        raise OomMagicError(f"{label}: data.pkl is not a valid pickle ({_detail(exc)}); {_FIX}") from None
+        raise OomMagicError(f"{label}: data.pkl is not a valid pickle ({_detail(exc)}); {FIX}") from None
     return TorchZip(label, members, walk, None)
 
 
-def check_zip_directory(handle: BinaryIO, label: str, fix: str = _FIX) -> None:
+def check_zip_directory(handle: BinaryIO, label: str, fix: str = FIX) -> None:
     """Refuse zips whose central directory is too big to parse, before zipfile parses it."""
     size = os.fstat(handle.fileno()).st_size
     tail_len = min(size, 22 + 0xFFFF)
@@ -228,9 +228,9 @@ def _read_pickle(archive: zipfile.ZipFile, info: zipfile.ZipInfo, label: str) ->
     cap = MAX_PICKLE_BYTES // _MIB
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
         method = _COMPRESSION.get(info.compress_type, f"method {info.compress_type}")
-        raise OomMagicError(f"{label}: data.pkl is compressed with {method}, which torch.load cannot read; {_FIX}")
+        raise OomMagicError(f"{label}: data.pkl is compressed with {method}, which torch.load cannot read; {FIX}")
     if info.flag_bits & _ZIP_ENCRYPTED:
-        raise OomMagicError(f"{label}: data.pkl is marked encrypted, which torch.load cannot read; {_FIX}")
+        raise OomMagicError(f"{label}: data.pkl is marked encrypted, which torch.load cannot read; {FIX}")
     if info.compress_type == zipfile.ZIP_DEFLATED:
         too_big = (f"{label}: data.pkl is compressed past {cap} MiB (torch.save stores it uncompressed, and "
                    "far smaller): a zip bomb or no torch checkpoint")
@@ -461,20 +461,20 @@ def storages(found: TorchZip) -> list[ZipStorage]:
     if walk is None:
         return [ZipStorage(key, None, None, nbytes) for key, nbytes in found.members.items()]
     if walk.problem is not None:
-        raise OomMagicError(f"{label}: data.pkl is not what torch.save writes ({walk.problem}); {_FIX}")
+        raise OomMagicError(f"{label}: data.pkl is not what torch.save writes ({walk.problem}); {FIX}")
     out: list[ZipStorage] = []
     for key, (kind, numel) in walk.storages.items():
         nbytes = found.members.get(key)
         if nbytes is None:
             raise OomMagicError(f"{label}: data.pkl names storage {one_line(key, 80)!r} but the zip has no "
-                                f"data/{one_line(key, 80)}; the file is incomplete")
+                                f"data/{one_line(key, 80)}; the file is incomplete: {FIX}")
         untyped = kind.name == "UntypedStorage"
         dtype: str | None = walk.v3_dtypes.get(key, "uint8") if untyped else STORAGE_DTYPES.get(kind.name)
         bits = DTYPE_BITS.get(dtype) if dtype is not None else None
         expected = numel if untyped else (None if bits is None else numel * bits // 8)
         if expected is not None and expected != nbytes:
             raise OomMagicError(f"{label}: data.pkl says storage {one_line(key, 80)!r} is {expected} bytes but "
-                                f"data/{one_line(key, 80)} holds {nbytes}; the file is damaged")
+                                f"data/{one_line(key, 80)} holds {nbytes}; the file is damaged: {FIX}")
         if bits is None:
             out.append(ZipStorage(key, None, None, nbytes))
             continue
@@ -493,7 +493,7 @@ def top_level_keys(found: TorchZip) -> tuple[tuple[tuple[str, int], ...], tuple[
     """
     walk = found.walk
     if walk is None:
-        raise OomMagicError(f"{found.too_big}; keys not read: {_FIX}")
+        raise OomMagicError(f"{found.too_big}; keys not read: {FIX}")
     sizes = found.members
     keys: list[tuple[str, int]] = []
     if isinstance(walk.top, _Box) and walk.top.entries:
