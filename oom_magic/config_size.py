@@ -15,10 +15,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .errors import OomMagicError
 
-__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "declared_layers", "size_from_config"]
+__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "declared_layers", "run_child", "size_from_config"]
 
 MAX_LAYERS = 4096  # more than any released model has (the deepest have a few hundred)
 TIME_LIMIT = 120.0  # seconds
@@ -112,48 +113,68 @@ def size_from_config(config: Path, declared: str | None) -> list[tuple[str, str,
     return list(_cache[key])
 
 
-def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+def _wait_bounded(proc: subprocess.Popen[bytes], config: Path) -> None:
+    """Wait for the child, killing it (OomMagicError) past MEMORY_LIMIT resident or TIME_LIMIT seconds."""
     import psutil
 
     from .render.units import format_bytes
 
+    watched = psutil.Process(proc.pid)
+    deadline = time.monotonic() + TIME_LIMIT
+    while proc.poll() is None:
+        try:
+            rss = watched.memory_info().rss
+        except psutil.Error:
+            rss = 0
+        if rss > MEMORY_LIMIT:
+            raise OomMagicError(f"{config.name}: building the model it describes took more than "
+                                f"{format_bytes(MEMORY_LIMIT)} of memory; stopped, not sized")
+        if time.monotonic() > deadline:
+            raise OomMagicError(f"{config.name}: building the model it describes took longer than "
+                                f"{TIME_LIMIT:g} s; stopped, not sized")
+        time.sleep(0.05)
+
+
+def run_child(code: str, args: list[str], label: str) -> dict[str, Any]:
+    """Run ``code`` in a child Python bounded in time and memory; return the JSON object it prints last.
+
+    The child sees no GPU and no network (hub and transformers offline) and can import this
+    package. Raises OomMagicError naming ``label`` when it runs past a bound, prints no JSON
+    object, or reports torch or transformers missing (``{"missing": ...}``).
+    """
+    package_root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    config = Path(label)
     # Its answer goes to a file, not a pipe: a big model's rows fill a pipe's 64 KiB and the child
     # would block writing them while this loop waits for it to exit.
-    answer_file = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(config.parent), declared or ""],
-                            stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
-    try:
-        watched = psutil.Process(proc.pid)
-        deadline = time.monotonic() + TIME_LIMIT
-        while proc.poll() is None:
-            try:
-                rss = watched.memory_info().rss
-            except psutil.Error:
-                rss = 0
-            if rss > MEMORY_LIMIT:
-                raise OomMagicError(f"{config.name}: building the model it describes took more than "
-                                    f"{format_bytes(MEMORY_LIMIT)} of memory; stopped, not sized")
-            if time.monotonic() > deadline:
-                raise OomMagicError(f"{config.name}: building the model it describes took longer than "
-                                    f"{TIME_LIMIT:g} s; stopped, not sized")
-            time.sleep(0.05)
-        answer_file.seek(0)
-        out = answer_file.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        answer_file.close()
+    with tempfile.TemporaryFile() as answer_file:
+        proc = subprocess.Popen([sys.executable, "-c", code, *args],
+                                stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
+        try:
+            _wait_bounded(proc, config)
+            answer_file.seek(0)
+            out = answer_file.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     try:
         answer = json.loads(out.decode("utf-8", "replace").strip().splitlines()[-1])
     except (ValueError, IndexError):
+        answer = None
+    if not isinstance(answer, dict):
         raise OomMagicError(f"{config.name}: sizing it from the config failed (the sizing process exited "
-                            f"with status {proc.returncode})") from None
+                            f"with status {proc.returncode})")
     if "missing" in answer:
         raise OomMagicError(f"{config.name}: sizing a checkpoint from its config alone needs torch and "
                             "transformers (pip install 'oom-magic[hf]')")
+    return answer
+
+
+def _run_child(config: Path, declared: str | None) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    answer = run_child(_CHILD, [str(config.parent), declared or ""], str(config))
     if "unreadable" in answer:
         raise OomMagicError(f"{config.name}: transformers cannot read it ({answer['unreadable']})")
     if "unbuildable" in answer:

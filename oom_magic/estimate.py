@@ -14,96 +14,31 @@ weights, keep embeddings, ``lm_head`` and norms in 16-bit, and add per-row / per
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import pickletools
 import re
-import struct
 import sys
-import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .checkpoints import (
-    CheckpointFiles,
-    check_zip_directory,
-    find_checkpoint_files,
-    one_line,
-    read_config,
-    resolve_checkpoint,
-    sniff_format,
-)
-from .errors import OomMagicError
+from .checkpoints import CheckpointFiles, find_checkpoint_files, read_config, resolve_checkpoint, sniff_format
+from .dtypes import DTYPE_BITS, FLOAT_BYTES, QUANTIZED, canonical_dtype, is_floating
+from .errors import OomMagicError, one_line
+from .safetensors_header import read_safetensors_header, read_safetensors_shards
+from .torch_zip import FIX, TensorView, open_torch_zip, storages
 
 if TYPE_CHECKING:
     from .hf_rules import HeldBytes
 
 __all__ = ["CheckpointEstimate", "estimate_checkpoint", "resolve_checkpoint"]
 
-# Bits per element of every dtype a checkpoint may hold (torch names).
-_DTYPE_BITS: dict[str, int] = {
-    "float64": 64, "float32": 32, "float16": 16, "bfloat16": 16,
-    "float8_e4m3fn": 8, "float8_e5m2": 8, "float8_e4m3fnuz": 8, "float8_e5m2fnuz": 8,
-    "float8_e8m0fnu": 8, "float4_e2m1fn_x2": 8,
-    "float6_e2m3fn": 6, "float6_e3m2fn": 6, "float4_e2m1fn": 4,
-    "int64": 64, "int32": 32, "int16": 16, "int8": 8,
-    "uint64": 64, "uint32": 32, "uint16": 16, "uint8": 8, "bool": 8,
-    "complex128": 128, "complex64": 64, "complex32": 32,
-    "qint8": 8, "quint8": 8, "qint32": 32, "quint4x2": 8, "quint2x4": 8,
-}
-_SAFETENSORS_DTYPES: dict[str, str] = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
-    "F6_E2M3": "float6_e2m3fn", "F6_E3M2": "float6_e3m2fn", "F4": "float4_e2m1fn",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
-    "C64": "complex64",
-}
-# Legacy typed-storage classes torch.save names in data.pkl (torch.storage._dtype_to_storage_type_map).
-_STORAGE_DTYPES: dict[str, str] = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexDoubleStorage": "complex128", "ComplexFloatStorage": "complex64",
-    "QInt8Storage": "qint8", "QInt32Storage": "qint32", "QUInt8Storage": "quint8",
-    "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
-}
-_UNKNOWN = "unknown"  # a torch storage whose dtype the pickle does not say
-_FLOATING = frozenset(n for n in _DTYPE_BITS if n.startswith(("float", "bfloat"))) | {_UNKNOWN}
-
-# The dtypes a load can ask for, and the spellings people use for them.
-_CAST_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-_QUANTIZED = ("int8", "nf4", "fp4")
-_ALIASES = {
-    "fp64": "float64", "double": "float64", "f64": "float64",
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "fp16": "float16", "half": "float16", "f16": "float16",
-    "bf16": "bfloat16",
-    "8bit": "int8", "int8": "int8", "llm.int8": "int8", "llm_int8": "int8", "load_in_8bit": "int8",
-    "4bit": "nf4", "int4": "nf4", "load_in_4bit": "nf4",
-}
+_UNKNOWN = "unknown"  # a torch storage whose dtype the pickle does not say (counted as floating)
 
 # bitsandbytes figures (functional.quantize_4bit / Int8Params), see bytes_for.
 _NF4_BLOCK = 64  # BitsAndBytesConfig's default blocksize for 4-bit weights
 _NESTED_BLOCK = 256  # quantize_4bit(compress_statistics=True) -> quantize_blockwise(absmax, blocksize=256)
-
-_MAX_HEADER_BYTES = 100_000_000  # safetensors' own MAX_HEADER_SIZE: the library refuses larger headers
-# What we parse, so that sizing stays within ~1 s and ~50 MB of memory (JSON objects take 10-30x
-# their text): 4 MiB and 500,000 JSON values hold ~40,000 tensors; real headers are under 1 MiB.
-_MAX_READ_HEADER_BYTES = 4 * 1024 * 1024
-_MAX_HEADER_VALUES = 500_000
-_MAX_ZIP_MEMBERS = 100_000  # a torch.save zip holds one member per storage plus ~6
-_MAX_PICKLE_BYTES = 16 * 1024 * 1024  # a 70B state dict's data.pkl is ~100 KB
-_ZIP_ENCRYPTED = 0x1  # zip general-purpose flag bit 0: zipfile refuses to open the member without a password
-# The opcode walk stops (sizes stay exact, dtypes unknown) past these: ~10,000 tensors' worth of
-# opcodes, and a bound on what the symbolic stack and memo hold, whatever the bytes say.
-_MAX_PICKLE_OPS = 250_000
-_MAX_PICKLE_ITEMS = 250_000
-_MAX_ELEMENTS = 1 << 64
 
 # Module names bitsandbytes leaves alone (see bytes_for); "embed", "norm" and "ln*" match as parts.
 _EMBEDDING_MODULES = frozenset({"wte", "wpe", "shared", "lm_head"})
@@ -204,10 +139,11 @@ class CheckpointEstimate:
         """What transformers' own rules say a quantized or float16 load holds (see hf_rules), or None.
 
         None when this estimate was made without them (``follow_transformers``), the load is not
-        quantized or float16, or the model cannot be built on the meta device.
+        quantized or float16, torch or transformers is missing, or the model cannot be built on
+        the meta device.
         """
         canonical = _canonical_request(dtype)
-        if self._rules_dir is None or (canonical not in _QUANTIZED and canonical != "float16"):
+        if self._rules_dir is None or (canonical not in QUANTIZED and canonical != "float16"):
             return None
         from .hf_rules import MAX_TENSORS, held_bytes
 
@@ -233,8 +169,9 @@ def estimate_checkpoint(
 
     `follow_transformers`: size quantized and float16 loads by transformers' own rules (fused MoE
     experts stay 16-bit under bitsandbytes, ``_keep_in_fp32_modules`` stay float32; see hf_rules)
-    on a meta model built when such a figure is asked for. None (default): only when torch and
-    transformers are already imported, so that this never imports them on its own.
+    on a meta model built when such a figure is asked for: in this process when torch and
+    transformers are imported already, else in a bounded child process (this process never
+    imports them on its own). None (default): only when both are already imported.
 
     `dtype` is None (as stored), 'auto' (config.json's dtype, else as stored), a float dtype
     ('bfloat16', 'fp16', 'torch.float32', ...) or a bitsandbytes load ('int8', 'nf4'); see
@@ -258,7 +195,7 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
     declared = _declared_dtype(found)
     request = None if dtype is None else str(dtype)
     if request is not None and request.strip().lower() == "auto":
-        request = declared if declared in _CAST_BYTES else None
+        request = declared if declared in FLOAT_BYTES else None
     canonical = None if request is None else _canonical_request(request)
     stored = _read_stored(found, declared)
     sizes = _summarize(stored)
@@ -284,9 +221,8 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
 
 def _canonical_request(dtype: object) -> str:
     """Normalise a requested load dtype ('bf16', 'torch.bfloat16', '4bit') to its canonical name."""
-    text = str(dtype).strip().lower().removeprefix("torch.")
-    name = _ALIASES.get(text, text)
-    if name in _CAST_BYTES or name in _QUANTIZED:
+    name = canonical_dtype(dtype)
+    if name in FLOAT_BYTES or name in QUANTIZED:
         return name
     raise OomMagicError(
         f"unknown dtype {str(dtype)!r}: use float32, float16, bfloat16, int8 or nf4 (or fp32, fp16, bf16, 8bit, 4bit)"
@@ -295,12 +231,12 @@ def _canonical_request(dtype: object) -> str:
 
 def _bytes_for(sizes: _Sizes, dtype: str, double_quant: bool, unquantized_dtype: str) -> int:
     """Bytes of the weights loaded as canonical `dtype`; see CheckpointEstimate.bytes_for."""
-    if dtype in _CAST_BYTES:
-        return sizes.fixed_bytes + sizes.float_elements * _CAST_BYTES[dtype]
+    if dtype in FLOAT_BYTES:
+        return sizes.fixed_bytes + sizes.float_elements * FLOAT_BYTES[dtype]
     rest = _canonical_request(unquantized_dtype)
-    if rest not in _CAST_BYTES:
+    if rest not in FLOAT_BYTES:
         raise OomMagicError(f"unquantized_dtype must be a float dtype, not {unquantized_dtype!r}")
-    other = (sizes.float_elements - sizes.linear_elements) * _CAST_BYTES[rest]
+    other = (sizes.float_elements - sizes.linear_elements) * FLOAT_BYTES[rest]
     if dtype == "int8":
         linear = sizes.linear_elements + 4 * sizes.linear_rows
     elif double_quant:
@@ -317,7 +253,7 @@ def _bytes_for(sizes: _Sizes, dtype: str, double_quant: bool, unquantized_dtype:
 
 def _is_floating(dtype: str) -> bool:
     """Say whether a load dtype would cast this stored dtype (torch's is_floating_point)."""
-    return dtype in _FLOATING
+    return dtype == _UNKNOWN or is_floating(dtype)
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
@@ -384,8 +320,9 @@ def _read_stored(found: CheckpointFiles, declared: str | None) -> list[_Stored]:
     if found.format == "config-only":
         return list(_config_only(found.files[0], declared))
     if found.format.startswith("safetensors"):
-        return _read_safetensors_shards(found)
-    assumed_bits = _DTYPE_BITS[declared] if declared in _CAST_BYTES else 32
+        return [_tensor(dtype, name, shape, math.prod(shape), nbytes)
+                for name, dtype, shape, nbytes in read_safetensors_shards(found.files, found.weight_map, found.index)]
+    assumed_bits = DTYPE_BITS[declared] if declared in FLOAT_BYTES else 32
     stored: list[_Stored] = []
     for file in found.files:
         # Shards of a pickle index are judged by content too: a legacy pickle gets its own message.
@@ -410,573 +347,49 @@ def _declared_dtype(found: CheckpointFiles) -> str | None:
         value = config.get(key)
         if isinstance(value, str):
             name = value.strip().removeprefix("torch.")
-            if name in _DTYPE_BITS:
+            if name in DTYPE_BITS:
                 return name
     return None
 
 
-# --------------------------------------------------------------------------- safetensors
-# Parsed here, not with safetensors.safe_open: safe_open is ~1.3x faster on 30 headers (2.2 vs 2.9 ms,
-# benchmarks/bench_estimate.py), but it is an optional dependency and its errors don't name the tensor.
+def _read_safetensors(path: Path) -> list[_Stored]:
+    """The tensors of one safetensors file."""
+    return [_tensor(dtype, name, shape, math.prod(shape), nbytes)
+            for name, dtype, shape, nbytes in read_safetensors_header(path)]
 
 
-def _read_safetensors_shards(found: CheckpointFiles) -> list[_Stored]:
-    """Every tensor of a single or sharded safetensors checkpoint, checked against its index."""
-    owner: dict[str, str] = {}
-    stored: list[_Stored] = []
-    for file in found.files:
-        label = file.name
-        for name, dtype, shape, nbytes in read_safetensors_header(file):
-            if name in owner:
-                raise OomMagicError(
-                    f"{label}: tensor {_short(name)} is also in {owner[name]}; a tensor belongs to one shard"
-                )
-            owner[name] = label
-            stored.append(_tensor(dtype, name, shape, math.prod(shape), nbytes))
-    if found.weight_map is not None and found.index is not None:
-        basenames: dict[str, str] = {}
-        for name, shard in found.weight_map.items():
-            basename = basenames.get(shard)
-            if basename is None:
-                basename = basenames[shard] = shard.replace("\\", "/").rsplit("/", 1)[-1]
-            if owner.get(name) != basename:
-                raise OomMagicError(
-                    f"{found.index.name}: names tensor {_short(name)} in {shard}, which does not hold it; "
-                    "the index and the shards do not match"
-                )
+def _read_torch_zip(path: Path, assumed_bits: int) -> list[_Stored]:
+    """The storages of a torch.save zip (torch_zip), with what bitsandbytes would quantize in each.
+
+    A storage whose dtype data.pkl does not say (or a data.pkl past torch_zip's limits) keeps its
+    exact bytes; its elements assume the declared dtype (`assumed_bits`).
+    """
+    found = open_torch_zip(path)
+    if found is None:
+        raise OomMagicError(f"{one_line(path.name)}: a zip without a top-level data.pkl; not a torch.save checkpoint: "
+                            f"{FIX}")
+    stored = []
+    for item in storages(found):
+        if item.dtype is None or item.elements is None:
+            stored.append(_Stored(_UNKNOWN, item.nbytes * 8 // assumed_bits, item.nbytes))
+        else:
+            stored.append(_Stored(item.dtype, item.elements, item.nbytes,
+                                  _linear_views(item.dtype, item.elements, item.views)))
     return stored
 
 
-def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...], int]]:
-    """Read and check one safetensors header: [(name, dtype, shape, nbytes)], no tensor data read.
-
-    Checks what the safetensors loader checks: the header fits the file and the 100 MB limit,
-    is UTF-8 JSON holding an object, every dtype is known, every tensor's byte span matches its
-    shape x dtype, and the spans tile the data area exactly (no gap, overlap or trailing bytes).
-    """
-    label = path.name
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            if size < 8:
-                raise OomMagicError(
-                    f"{label}: the file is {size} bytes, too short for a safetensors header; "
-                    "it is truncated or not safetensors"
-                )
-            length = int.from_bytes(handle.read(8), "little")
-            if length > size - 8:
-                raise OomMagicError(
-                    f"{label}: header length {length} is past the end of the {size}-byte file; "
-                    "the file is truncated or not safetensors"
-                )
-            if length > _MAX_HEADER_BYTES:
-                raise OomMagicError(
-                    f"{label}: header length {length} is over safetensors' {_MAX_HEADER_BYTES}-byte limit; "
-                    "not a safetensors file"
-                )
-            if length > _MAX_READ_HEADER_BYTES:
-                raise OomMagicError(
-                    f"{label}: header of {length} bytes is over the {_MAX_READ_HEADER_BYTES} bytes oom-magic reads "
-                    "(about 40,000 tensors; real checkpoints' headers are far smaller)"
-                )
-            raw = handle.read(length)
-    except OSError as exc:
-        raise OomMagicError(f"{label}: cannot read it ({exc.strerror or exc})") from None
-    if len(raw) != length:
-        raise OomMagicError(f"{label}: the file shrank while it was read; try again")
-    # Every JSON value but the first follows one of these bytes: an upper bound, counted at C speed.
-    values = raw.count(b",") + raw.count(b":") + raw.count(b"[") + raw.count(b"{")
-    if values > _MAX_HEADER_VALUES:
-        raise OomMagicError(
-            f"{label}: the header holds over {_MAX_HEADER_VALUES} JSON values (a tensor takes about 12); "
-            "not a checkpoint oom-magic will parse"
-        )
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise OomMagicError(
-            f"{label}: the header is not UTF-8 (byte {8 + exc.start}); the file is damaged or not safetensors"
-        ) from None
-    try:
-        header = json.loads(text)
-        if isinstance(header, dict) and _may_repeat_keys(text, header):
-            header = None  # the first parse is dropped before the second one is built
-            header = json.loads(text, object_pairs_hook=_unique_keys)  # slow path names the repeat
-    except _DuplicateKey as exc:
-        raise OomMagicError(f"{label}: the header names {_short(exc.key)} twice") from None
-    except (ValueError, RecursionError) as exc:
-        detail = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
-        raise OomMagicError(f"{label}: the header is not valid JSON ({detail}); the file is damaged") from None
-    if not isinstance(header, dict):
-        raise OomMagicError(
-            f"{label}: the header is a JSON {_json_kind(header)}, not an object; not a safetensors file"
-        )
-    data_size = size - 8 - length
-    tensors: list[tuple[int, int, str, str, tuple[int, ...]]] = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            _check_metadata(label, info)
-            continue
-        tensors.append(_check_entry(label, name, info, data_size))
-    tensors.sort(key=lambda t: (t[0], t[1]))
-    end, last = 0, None
-    for begin, stop, name, _, _ in tensors:
-        if begin < end:
-            raise OomMagicError(
-                f"{label}: tensors {_short(last or '')} and {_short(name)} overlap (bytes {begin}-{end}); "
-                "the header is corrupt"
-            )
-        if begin > end:
-            raise OomMagicError(
-                f"{label}: {begin - end} bytes before tensor {_short(name)} belong to no tensor; "
-                "safetensors refuses such files"
-            )
-        end, last = stop, name
-    if end != data_size:
-        raise OomMagicError(
-            f"{label}: {data_size - end} bytes after the last tensor belong to no tensor; "
-            "safetensors refuses such files"
-        )
-    return [(name, dtype, shape, stop - begin) for begin, stop, name, dtype, shape in tensors]
-
-
-def _read_safetensors(path: Path) -> list[_Stored]:
-    """The tensors of one safetensors file."""
-    return [
-        _tensor(dtype, name, shape, math.prod(shape), nbytes)
-        for name, dtype, shape, nbytes in read_safetensors_header(path)
-    ]
-
-
-def _check_metadata(label: str, info: object) -> None:
-    """__metadata__ must map strings to strings, as the safetensors loader demands."""
-    if info is None:
-        return
-    if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-        raise OomMagicError(f"{label}: __metadata__ must map strings to strings; the header is corrupt")
-
-
-def _check_entry(
-    label: str, name: str, info: object, data_size: int
-) -> tuple[int, int, str, str, tuple[int, ...]]:
-    """Check one tensor entry; return (begin, end, name, dtype, shape)."""
-    if not isinstance(info, dict):
-        raise OomMagicError(f"{_what(label, name)} is described by a JSON {_json_kind(info)}, not an object")
-    code = info.get("dtype")
-    dtype = _SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
-    if dtype is None:
-        what = _what(label, name)
-        raise OomMagicError(
-            f"{what} has unknown dtype {_short(str(code))}; known: {', '.join(_SAFETENSORS_DTYPES)}"
-        )
-    shape = info.get("shape")
-    if type(shape) is not list:
-        raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
-    elements = 1
-    for dim in shape:
-        if type(dim) is not int or dim < 0:
-            raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
-        elements *= dim
-        if elements > _MAX_ELEMENTS:
-            raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}, over 2**64 elements")
-    offsets = info.get("data_offsets")
-    if (
-        type(offsets) is not list
-        or len(offsets) != 2
-        or type(offsets[0]) is not int
-        or type(offsets[1]) is not int
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        raise OomMagicError(
-            f"{_what(label, name)} has data_offsets {_short(str(offsets))}; they must be [begin, end] with 0 <= begin <= end"
-        )
-    begin, end = offsets
-    bits = elements * _DTYPE_BITS[dtype]
-    if bits % 8:
-        raise OomMagicError(f"{_what(label, name)}: {elements} {dtype} elements do not fill whole bytes")
-    if end - begin != bits // 8:
-        raise OomMagicError(
-            f"{_what(label, name)} is {dtype} {shape} = {bits // 8} bytes, but its data_offsets span {end - begin} bytes"
-        )
-    if end > data_size:
-        raise OomMagicError(
-            f"{_what(label, name)} ends at data byte {end}, but the file holds only {data_size} bytes of tensor data; "
-            "the file is truncated"
-        )
-    return begin, end, name, dtype, tuple(shape)
-
-
-def _what(label: str, name: str) -> str:
-    """How an error names one header entry (built only when there is an error to report)."""
-    return f"{label}: tensor {_short(name)}"
-
-
-def _json_kind(value: object) -> str:
-    """Name a parsed JSON value the way JSON does (array, string, null, ...)."""
-    kinds = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else kinds.get(type(value), type(value).__name__)
-
-
-def _may_repeat_keys(text: str, header: dict[str, object]) -> bool:
-    """Cheap test for a repeated key (json.loads keeps the last): fewer entries than field names."""
-    entries = len(header) - ("__metadata__" in header)
-    return any(text.count(f'"{key}"') != entries for key in ("dtype", "shape", "data_offsets"))
-
-
-class _DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    """json object hook that refuses a key named twice (the Rust loader does too)."""
-    result: dict[str, object] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKey(key)
-        result[key] = value
-    return result
-
-
-def _short(text: str, limit: int = 80) -> str:
-    """repr() of an outside string, cut to one short line."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-# --------------------------------------------------------------------------- torch.save zip
-
-
-class _Global(NamedTuple):
-    module: str
-    name: str
-
-
-class _StorageRef(NamedTuple):
-    key: str
-
-
-class _Call(NamedTuple):
-    func: object
-    args: object
-
-
-class _View(NamedTuple):
-    key: str
-    offset: int
-    shape: tuple[int, ...]
-
-
-_MARK = object()
-_ANYTHING = object()
-_PUSHES_ARG = frozenset({
-    "INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4",
-    "STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
-    "BINUNICODE8",
-})
-_REBUILD_TENSOR = frozenset({"_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3"})
-_REBUILD_PARAMETER = frozenset({"_rebuild_parameter", "_rebuild_parameter_with_state"})
-
-
-class _Malformed(Exception):
-    """The opcode stream is not one torch.save writes."""
-
-
-class _TooBig(Exception):
-    """The opcode stream is longer, or builds more, than the walk's budget."""
-
-
-def _read_torch_zip(path: Path, assumed_bits: int) -> Iterator[_Stored]:
-    """Yield the storages of a torch.save zip: sizes from the zip directory, dtypes from data.pkl.
-
-    Nothing is decompressed or unpickled: member sizes come from the central directory, and
-    data.pkl is walked with pickletools.genops, reading the persistent ids torch.save writes,
-    ``('storage', <torch.XStorage | torch.storage.UntypedStorage>, key, location, numel)``, and
-    the dtype argument of ``_rebuild_tensor_v3`` for untyped storages (fp8, uint16, ...).
-    """
-    label = path.name
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            check_zip_directory(handle, label)
-            try:
-                archive = zipfile.ZipFile(handle)
-            except zipfile.BadZipFile as exc:
-                raise OomMagicError(f"{label}: not a readable zip archive ({exc}); the file is damaged") from None
-            with archive:
-                infos = archive.infolist()
-                if len(infos) > _MAX_ZIP_MEMBERS:
-                    raise OomMagicError(f"{label}: {len(infos)} zip members is not a torch checkpoint")
-                pickles = [i for i in infos if i.filename.endswith("data.pkl") and i.filename.count("/") == 1]
-                if len(pickles) != 1:
-                    raise OomMagicError(
-                        f"{label}: a zip without a top-level data.pkl; not a torch.save checkpoint"
-                    )
-                prefix = pickles[0].filename[: -len("data.pkl")] + "data/"
-                members = {
-                    i.filename[len(prefix):]: i
-                    for i in infos
-                    if i.filename.startswith(prefix) and "/" not in i.filename[len(prefix):]
-                }
-                for info in members.values():
-                    if info.header_offset + info.compress_size > size:
-                        raise OomMagicError(
-                            f"{label}: member {_short(info.filename)} runs past the end of the file; it is truncated"
-                        )
-                pickle_info = pickles[0]
-                if pickle_info.file_size > _MAX_PICKLE_BYTES:
-                    # Too big to walk: sizes stay exact, element counts assume the declared dtype.
-                    for info in members.values():
-                        yield _Stored(_UNKNOWN, info.file_size * 8 // assumed_bits, info.file_size)
-                    return
-                if pickle_info.compress_type != zipfile.ZIP_STORED:
-                    raise OomMagicError(
-                        f"{label}: data.pkl is compressed, which torch.save never does; not a torch checkpoint"
-                    )
-                if pickle_info.flag_bits & _ZIP_ENCRYPTED:
-                    raise OomMagicError(
-                        f"{label}: data.pkl is marked encrypted, which torch.save never does; not a torch checkpoint"
-                    )
-                with archive.open(pickle_info) as member:
-                    raw = member.read(_MAX_PICKLE_BYTES + 1)
-    except OSError as exc:
-        raise OomMagicError(f"{label}: cannot read it ({exc.strerror or exc})") from None
-    except (
-        zipfile.BadZipFile, EOFError, ValueError, NotImplementedError, OverflowError,
-        struct.error, IndexError, KeyError, RuntimeError,  # zipfile: encrypted or unsupported members
-    ) as exc:
-        if isinstance(exc, OomMagicError):
-            raise
-        raise OomMagicError(f"{label}: damaged zip archive ({str(exc)[:100]})") from None
-    try:
-        storages, dtypes, views = _scan_pickle(raw, label)
-    except _TooBig:
-        # As for a data.pkl too big to walk: sizes stay exact, element counts assume the declared dtype.
-        for info in members.values():
-            yield _Stored(_UNKNOWN, info.file_size * 8 // assumed_bits, info.file_size)
-        return
-    yield from _torch_storages(label, storages, dtypes, views, members, assumed_bits)
-
-
-def _torch_storages(
-    label: str,
-    storages: dict[str, tuple[_Global, int]],
-    dtypes: dict[str, str],
-    views: dict[str, dict[_View, list[str]]],
-    members: dict[str, zipfile.ZipInfo],
-    assumed_bits: int,
-) -> Iterator[_Stored]:
-    """Turn the storages data.pkl names into stored records, checked against the zip members."""
-    for key, (kind, numel) in storages.items():
-        info = members.get(key)
-        if info is None:
-            raise OomMagicError(
-                f"{label}: data.pkl names storage {_short(key)} but the zip has no data/{key}; the file is incomplete"
-            )
-        nbytes = info.file_size
-        if kind.name == "UntypedStorage":
-            dtype = dtypes.get(key, "uint8")  # a bare UntypedStorage is bytes
-            bits = _DTYPE_BITS.get(dtype)
-            expected = numel
-        else:
-            dtype = _STORAGE_DTYPES.get(kind.name, _UNKNOWN)
-            bits = _DTYPE_BITS.get(dtype)
-            expected = None if bits is None else numel * bits // 8
-        if bits is None:
-            dtype, elements = _UNKNOWN, nbytes * 8 // assumed_bits
-        else:
-            elements = numel if kind.name != "UntypedStorage" else numel * 8 // bits
-        if expected is not None and expected != nbytes:
-            raise OomMagicError(
-                f"{label}: data.pkl says storage {_short(key)} is {expected} bytes but data/{key} holds {nbytes}; "
-                "the file is damaged"
-            )
-        yield _Stored(dtype, elements, nbytes, _linear_views(dtype, elements, views.get(key, {})))
-
-
-def _linear_views(dtype: str, elements: int, views: dict[_View, list[str]]) -> tuple[tuple[int, int], ...]:
+def _linear_views(dtype: str, elements: int, views: tuple[TensorView, ...]) -> tuple[tuple[int, int], ...]:
     """Quantizable parts of one storage: only when every tensor viewing it is a Linear weight."""
     if not views or not _is_floating(dtype):
         return ()
     parts = []
-    for view, names in views.items():
-        if not all(is_linear_weight(name, view.shape) for name in names):
+    for view in views:
+        if not all(is_linear_weight(name, view.shape) for name in view.names):
             return ()
         parts.append((math.prod(view.shape), view.shape[0]))
     if sum(n for n, _ in parts) != elements:
         return ()
     return tuple(parts)
-
-
-def _scan_pickle(
-    raw: bytes, label: str
-) -> tuple[dict[str, tuple[_Global, int]], dict[str, str], dict[str, dict[_View, list[str]]]]:
-    """Walk data.pkl's opcodes without executing them: storages, v3 dtypes, named tensor views."""
-    if len(raw) > _MAX_PICKLE_BYTES:
-        raise OomMagicError(f"{label}: data.pkl is over {_MAX_PICKLE_BYTES} bytes")
-    try:
-        return _walk_opcodes(raw)
-    except _TooBig:
-        raise
-    except _Malformed as exc:
-        raise OomMagicError(f"{label}: data.pkl is not what torch.save writes ({exc})") from None
-    # genops parses untrusted bytes; whatever it trips on means the pickle is damaged.
-    except Exception as exc:  # noqa: BLE001
-        detail = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
-        raise OomMagicError(f"{label}: data.pkl is not a valid pickle ({detail}); the file is damaged") from None
-
-
-def _walk_opcodes(
-    raw: bytes,
-) -> tuple[dict[str, tuple[_Global, int]], dict[str, str], dict[str, dict[_View, list[str]]]]:
-    """A symbolic pickle machine: tracks strings, ints, tuples, globals and calls, nothing else."""
-    stack: list[object] = []
-    memo: dict[int, object] = {}
-    storages: dict[str, tuple[_Global, int]] = {}
-    dtypes: dict[str, str] = {}
-    views: dict[str, dict[_View, list[str]]] = {}
-
-    def pop() -> object:
-        if not stack:
-            raise _Malformed("stack underflow")
-        return stack.pop()
-
-    def pop_to_mark() -> list[object]:
-        items: list[object] = []
-        while True:
-            item = pop()
-            if item is _MARK:
-                items.reverse()
-                return items
-            items.append(item)
-
-    named = 0
-
-    def name_views(pairs: list[object]) -> None:
-        nonlocal named
-        for key, value in zip(pairs[0::2], pairs[1::2]):
-            view = _tensor_view(value)
-            if isinstance(key, str) and view is not None:
-                views.setdefault(view.key, {}).setdefault(view, []).append(key)
-                named += 1
-
-    for ops, (opcode, arg, _pos) in enumerate(pickletools.genops(raw)):
-        if ops & 1023 == 0 and (
-            ops > _MAX_PICKLE_OPS or len(stack) + len(memo) + len(storages) + named > _MAX_PICKLE_ITEMS
-        ):
-            raise _TooBig
-        code = opcode.name
-        if code in _PUSHES_ARG:
-            stack.append(arg)
-        elif code == "MARK":
-            stack.append(_MARK)
-        elif code == "NONE":
-            stack.append(None)
-        elif code in ("NEWTRUE", "NEWFALSE"):
-            stack.append(code == "NEWTRUE")
-        elif code == "GLOBAL":
-            module, _, name = str(arg).partition(" ")
-            stack.append(_Global(module, name))
-        elif code == "STACK_GLOBAL":
-            name, module = pop(), pop()
-            stack.append(_Global(module, name) if isinstance(module, str) and isinstance(name, str) else _ANYTHING)
-        elif code == "EMPTY_TUPLE":
-            stack.append(())
-        elif code in ("TUPLE1", "TUPLE2", "TUPLE3"):
-            items = [pop() for _ in range(int(code[-1]))]
-            stack.append(tuple(reversed(items)))
-        elif code == "TUPLE":
-            stack.append(tuple(pop_to_mark()))
-        elif code in ("PUT", "BINPUT", "LONG_BINPUT"):
-            if not stack:
-                raise _Malformed("memo put on an empty stack")
-            memo[arg] = stack[-1]
-        elif code == "MEMOIZE":
-            if not stack:
-                raise _Malformed("memo put on an empty stack")
-            memo[len(memo)] = stack[-1]
-        elif code in ("GET", "BINGET", "LONG_BINGET"):
-            if arg not in memo:
-                raise _Malformed(f"memo {arg} read before it was written")
-            stack.append(memo[arg])
-        elif code == "BINPERSID":
-            stack.append(_storage_ref(pop(), storages))
-        elif code == "REDUCE":
-            args, func = pop(), pop()
-            call = _Call(func, args)
-            _note_v3_dtype(call, dtypes)
-            stack.append(call)
-        elif code == "SETITEM":
-            value, key = pop(), pop()
-            name_views([key, value])
-        elif code == "SETITEMS":
-            name_views(pop_to_mark())
-        elif code == "STOP":
-            break
-        else:
-            _generic(opcode, pop, pop_to_mark, stack)
-    return storages, dtypes, views
-
-
-def _generic(
-    opcode: pickletools.OpcodeInfo,
-    pop: Callable[[], object],
-    pop_to_mark: Callable[[], list[object]],
-    stack: list[object],
-) -> None:
-    """Apply an opcode's stack effect as pickletools documents it, pushing placeholders."""
-    before = opcode.stack_before
-    if pickletools.markobject in before:
-        below = before.index(pickletools.markobject)
-        pop_to_mark()
-        for _ in range(below):
-            pop()
-    else:
-        for _ in before:
-            pop()
-    stack.extend(_ANYTHING for _ in opcode.stack_after)
-
-
-def _storage_ref(pid: object, storages: dict[str, tuple[_Global, int]]) -> _StorageRef:
-    """Record a torch.save persistent id ('storage', type, key, location, numel)."""
-    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-        raise _Malformed("a persistent id that is not a storage")
-    _, kind, key, _location, numel = pid
-    if not isinstance(kind, _Global) or not isinstance(key, str) or type(numel) is not int or numel < 0:
-        raise _Malformed(f"a storage record {_short(str(pid))}")
-    storages.setdefault(key, (kind, numel))
-    return _StorageRef(key)
-
-
-def _note_v3_dtype(call: _Call, dtypes: dict[str, str]) -> None:
-    """_rebuild_tensor_v3(storage, offset, size, stride, grad, hooks, dtype, ...) gives an untyped storage's dtype."""
-    func, args = call.func, call.args
-    if not (isinstance(func, _Global) and func.name == "_rebuild_tensor_v3" and isinstance(args, tuple)):
-        return
-    if len(args) >= 7 and isinstance(args[0], _StorageRef) and isinstance(args[6], _Global):
-        if args[6].module == "torch":
-            dtypes.setdefault(args[0].key, args[6].name)
-
-
-def _tensor_view(value: object, depth: int = 0) -> _View | None:
-    """The (storage, offset, shape) a rebuilt tensor or parameter views, else None."""
-    if not isinstance(value, _Call) or not isinstance(value.func, _Global) or depth > 3:
-        return None
-    func, args = value.func, value.args
-    if not isinstance(args, tuple) or not args or func.module != "torch._utils":
-        return None
-    if func.name in _REBUILD_PARAMETER:
-        return _tensor_view(args[0], depth + 1)
-    if func.name in _REBUILD_TENSOR and len(args) >= 3:
-        ref, offset, shape = args[0], args[1], args[2]
-        if (
-            isinstance(ref, _StorageRef)
-            and type(offset) is int
-            and isinstance(shape, tuple)
-            and all(type(d) is int and d >= 0 for d in shape)
-        ):
-            return _View(ref.key, offset, shape)
-    return None
 
 
 # --------------------------------------------------------------------------- config only
@@ -992,5 +405,5 @@ def _config_only(config: Path, declared: str | None) -> Iterator[_Stored]:
     from .config_size import size_from_config
 
     for name, dtype_name, shape, elements, nbytes in size_from_config(
-            config, declared if declared in _CAST_BYTES else None):
+            config, declared if declared in FLOAT_BYTES else None):
         yield _tensor(dtype_name, name, shape, elements, nbytes)

@@ -15,21 +15,29 @@ by bitsandbytes' documented layout (bitsandbytes need not be installed):
   with double quantization the absmax is uint8 plus, per 256 blocks, a float32 absmax and one
   float32 offset (the nested 256-entry code is one shared map, ``name2qmap["dynamic"]``: left out).
 
-This imports torch and transformers: it runs only when a quantized or float16 load is asked for
-and the user's cell runs that load anyway (the preflight of a ``from_pretrained`` cell), never on
-its own. Built models are bounded (``MAX_TENSORS``) and the answers cached per config file.
+The package never imports torch or transformers itself: when the user's process has already
+imported both (``sys.modules``) the model is built here; otherwise in a child Python bounded in
+time and memory (config_size.run_child), which imports them. Built models are bounded
+(``MAX_TENSORS``) and the answers cached per config file.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from ._torch import loaded_torch
+from .dtypes import FLOAT_BYTES, QUANTIZED
 
 __all__ = ["HeldBytes", "MAX_TENSORS", "held_bytes"]
 
 MAX_TENSORS = 20_000  # a meta model past this (a 1000-layer config) is not worth a second of build
-_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _BLOCK = 64  # BitsAndBytesConfig's 4-bit blocksize
 _NESTED_BLOCK = 256  # double quantization: absmax quantized per 256 blocks
 _CODE_4BIT = 16 * 4  # nf4/fp4 code table: 16 float32
@@ -75,21 +83,58 @@ def _held_cached(config: str, stamp: int, dtype: str, rest: str, double_quant: b
                  skip: tuple[str, ...] | None) -> HeldBytes | None:
     del stamp  # part of the cache key only: an edited config.json is sized again
     try:
-        return _held(Path(config), dtype, rest, double_quant, skip)
+        modules = _loaded()
+        if modules is None:  # built in a bounded child, which imports torch and transformers
+            return _held_in_child(Path(config), dtype, rest, double_quant, skip)
+        return held_in_process(*modules, Path(config), dtype, rest, double_quant, skip)
     except Exception:  # noqa: BLE001 - transformers' internals move; header arithmetic stays the answer
         return None
 
 
-def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[str, ...] | None) -> HeldBytes | None:
-    # Imported here only: the caller's cell is about to run a transformers load, which imports both.
-    import torch
-    import transformers
+def _loaded() -> tuple[ModuleType, ModuleType] | None:
+    """torch and transformers when the user's process has imported both, else None."""
+    torch, transformers = loaded_torch(), sys.modules.get("transformers")
+    return None if torch is None or transformers is None else (torch, transformers)
+
+
+# Run by the child: the same sizing with torch and transformers imported there; one JSON line.
+_CHILD = r"""
+import dataclasses, json, sys
+from pathlib import Path
+try:
+    import torch, transformers
+except ImportError as exc:
+    print(json.dumps({"missing": str(exc)})); sys.exit(0)
+from oom_magic.hf_rules import held_in_process
+config, dtype, rest, double_quant, skip = json.loads(sys.argv[1])
+held = held_in_process(torch, transformers, Path(config), dtype, rest, double_quant,
+                       None if skip is None else tuple(skip))
+print(json.dumps({"held": None if held is None else dataclasses.asdict(held)}))
+"""
+
+
+def _held_in_child(config: Path, dtype: str, rest: str, double_quant: bool,
+                   skip: tuple[str, ...] | None) -> HeldBytes | None:
+    from .config_size import run_child
+
+    answer = run_child(_CHILD, [json.dumps([str(config), dtype, rest, double_quant, skip])], str(config))
+    held = answer.get("held")
+    if not isinstance(held, dict):
+        return None
+    held["modules_not_converted"] = tuple(held["modules_not_converted"])
+    return HeldBytes(**held)
+
+
+def held_in_process(torch: Any, transformers: Any, config: Path, dtype: str, rest: str, double_quant: bool,
+                    skip: tuple[str, ...] | None) -> HeldBytes | None:
+    """held_bytes with the given torch and transformers modules (the user's, or the child's)."""
+    # Submodules of the transformers passed in (a load imports them itself).
     from transformers.quantizers.base import HfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    quantized = dtype in ("int8", "nf4", "fp4")
+    quantized = dtype in QUANTIZED
     float_name = rest if quantized else dtype
-    if float_name not in _FLOAT_BYTES:
+    if float_name not in FLOAT_BYTES:
         return None
     float_dtype = getattr(torch, float_name)
     model_config = transformers.AutoConfig.from_pretrained(str(config.parent), local_files_only=True,
@@ -99,7 +144,7 @@ def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[s
     if len(tensors) > MAX_TENSORS:
         return None
     keep_fp32 = _float32_matcher(model, float_dtype)
-    replaced: dict[str, object] = {}
+    replaced: dict[str, Any] = {}
     conv1d = None
     not_convert: tuple[str, ...] = ()
     if quantized:
@@ -128,17 +173,17 @@ def _held(config: Path, dtype: str, rest: str, double_quant: bool, skip: tuple[s
             size = tensor.numel() * 4
             fp32 += size
         else:
-            size = tensor.numel() * _FLOAT_BYTES[float_name]
+            size = tensor.numel() * FLOAT_BYTES[float_name]
             if quantized:
                 kept16 += size
         total += size
     return HeldBytes(dtype, total, quant, fp32, kept16, not_convert)
 
 
-def _weights(model) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
+def _weights(model: Any) -> list[tuple[str, Any]]:
     """Each unique parameter and persistent buffer once (tied weights once), with its name."""
     seen: set[int] = set()
-    found = []
+    found: list[tuple[str, Any]] = []
     for module_name, module in model.named_modules():
         prefix = f"{module_name}." if module_name else ""
         items = list(module._parameters.items()) + [
@@ -154,7 +199,7 @@ def _weights(model) -> list[tuple[str, object]]:  # type: ignore[no-untyped-def]
     return found
 
 
-def _float32_matcher(model, float_dtype):  # type: ignore[no-untyped-def]
+def _float32_matcher(model: Any, float_dtype: Any) -> Callable[[str], bool]:
     """transformers' dtype plan for this load: which parameter names stay float32."""
     plan = model._get_dtype_plan(float_dtype) if hasattr(model, "_get_dtype_plan") else {}
     if not plan:
@@ -165,7 +210,7 @@ def _float32_matcher(model, float_dtype):  # type: ignore[no-untyped-def]
     return lambda name: pattern.search(name) is not None
 
 
-def _conv1d():  # type: ignore[no-untyped-def]
+def _conv1d() -> Any:
     try:
         from transformers.pytorch_utils import Conv1D
     except ImportError:
@@ -173,7 +218,7 @@ def _conv1d():  # type: ignore[no-untyped-def]
     return Conv1D
 
 
-def _out_features(module, weight, conv1d) -> int:  # type: ignore[no-untyped-def]
+def _out_features(module: Any, weight: Any, conv1d: Any) -> int:
     """Output rows of a replaced module: Conv1D stores [in, out], nn.Linear [out, in]."""
     if conv1d is not None and isinstance(module, conv1d):
         return int(weight.shape[1])
@@ -195,17 +240,18 @@ def _four_bit_bytes(elements: int, double_quant: bool) -> int:
     return packed + blocks + _CODE_4BIT + 4 * nested + 4
 
 
-def _build_on_meta(torch, transformers, model_config, dtype, label: str):  # type: ignore[no-untyped-def]
+def _build_on_meta(torch: Any, transformers: Any, model_config: Any, dtype: Any, label: str) -> Any:
     """Instantiate the config's architecture (else AutoModelForCausalLM, else AutoModel) on meta.
 
-    In this process only when the cell runs a transformers load anyway (config-only sizing, which
-    may not, builds in a bounded child: config_size.py).
+    In this process only when the user has imported torch and transformers (config-only sizing,
+    which need not, builds in a bounded child: config_size.py).
     """
-    candidates = []
+    candidates: list[Callable[..., Any]] = []
     for arch in getattr(model_config, "architectures", None) or []:
         found = getattr(transformers, arch, None) if isinstance(arch, str) and arch.isidentifier() else None
         if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel):
-            candidates.append(found._from_config)
+            model_class: Any = found  # a PreTrainedModel subclass: untyped here (transformers is not followed)
+            candidates.append(model_class._from_config)
     candidates += [transformers.AutoModelForCausalLM.from_config, transformers.AutoModel.from_config]
     error: Exception | None = None
     for build in candidates:

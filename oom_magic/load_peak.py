@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .dtypes import FLOAT_BYTES
+
 __all__ = ["LoadPeak", "load_peak"]
 
-_FLOAT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 _MAPPABLE = ("safetensors", "safetensors-sharded")
 
 
@@ -57,14 +58,14 @@ def load_peak(estimate: Any, dtype: str | None) -> LoadPeak | None:
     sizes = getattr(estimate, "_sizes", None)
     if sizes is None or estimate.format not in _MAPPABLE:
         return None
-    if dtype is not None and dtype not in _FLOAT_BYTES:
+    if dtype is not None and dtype not in FLOAT_BYTES:
         return None
     loaded = estimate.stored_bytes if dtype is None else estimate.bytes_for(dtype)
     census = dict(estimate.stored_dtypes)
-    cast = {} if dtype is None else {n: e for n, e in census.items() if n != dtype and n in _FLOAT_BYTES}
+    cast = {} if dtype is None else {n: e for n, e in census.items() if n != dtype and n in FLOAT_BYTES}
     cast_elements = sum(cast.values())
-    cast_stored = sum(e * _FLOAT_BYTES[n] for n, e in cast.items())
-    width = _FLOAT_BYTES.get(dtype or "", 0)
+    cast_stored = sum(e * FLOAT_BYTES[n] for n, e in cast.items())
+    width = FLOAT_BYTES.get(dtype or "", 0)
     experts_cast = cast_elements > 0 and sizes.expert_elements > 0
     # Experts in the load dtype are still copied (stacked); cast experts are counted in the cast,
     # and their cast copies live until the stack is built.

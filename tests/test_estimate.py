@@ -256,9 +256,9 @@ def test_sharded_torch_zips_with_an_index(llama: dict, tmp_path: Path) -> None:
 
 def test_oversized_pickle_falls_back_to_sizes(llama: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past the data.pkl cap the sizes stay exact; elements assume the declared dtype (float32)."""
-    import oom_magic.estimate as estimate_module
+    from oom_magic import torch_zip
 
-    monkeypatch.setattr(estimate_module, "_MAX_PICKLE_BYTES", 64)
+    monkeypatch.setattr(torch_zip, "MAX_PICKLE_BYTES", 64)
     est = estimate_checkpoint(llama["root"] / "bin")
     assert est.stored_dtypes == (("unknown", LLAMA_PARAMS),)
     assert (est.parameters, est.stored_bytes) == (LLAMA_PARAMS, LLAMA_PARAMS * 4)

@@ -105,3 +105,23 @@ def test_huge_models_are_not_built_on_meta(saved: dict[str, Path], monkeypatch) 
     est = estimate_checkpoint(saved["mixtral"], follow_transformers=True)
     assert est.held_by_rules("nf4") is None
     assert est.bytes_for("nf4") == estimate_checkpoint(saved["mixtral"], follow_transformers=False).bytes_for("nf4")
+
+
+def test_rules_without_torch_imported_are_asked_of_a_child_process(saved: dict[str, Path]) -> None:
+    """The package never imports torch itself: a process without it gets the same figure from a bounded child."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json, sys\nfrom oom_magic.estimate import estimate_checkpoint\n"
+              "est = estimate_checkpoint(sys.argv[1], follow_transformers=True)\n"
+              "print(json.dumps([est.bytes_for('nf4'), 'torch' in sys.modules, 'transformers' in sys.modules]))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script, str(saved["mixtral"])], capture_output=True, text=True,
+                          env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    nf4, torch_imported, transformers_imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert nf4 == estimate_checkpoint(saved["mixtral"], follow_transformers=True).bytes_for("nf4")
+    assert nf4 != estimate_checkpoint(saved["mixtral"], follow_transformers=False).bytes_for("nf4")
+    assert not torch_imported and not transformers_imported
