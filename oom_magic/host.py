@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cuda_process_cap", "disk_free", "ram_total", "usable_ram"]
+__all__ = ["cuda_process_cap", "disk_free", "ram_available", "ram_total", "usable_ram"]
 
 
 def usable_ram() -> tuple[int | None, str | None]:
@@ -111,7 +111,17 @@ def ram_total() -> int | None:
         return None
 
 
-def disk_free(folder: str | None = None) -> int | None:
+def ram_available() -> int | None:
+    """psutil's available RAM in bytes (page cache it can reclaim counts as free), or None."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
+
+
+def disk_free(folder: str | os.PathLike[str] | None = None) -> int | None:
     """Free bytes on the disk that holds ``folder`` (default: the working directory), or None."""
     try:
         return int(shutil.disk_usage(folder if folder is not None else os.getcwd()).free)

@@ -55,9 +55,8 @@ def _kind_of(resolver: Resolver, call: ast.Call) -> LoadKind | None:
 
 
 def _dtype_of(value: object) -> str | None | Unknown:
-    if value is None:
-        return None
-    if isinstance(value, Unknown):
+    """The dtype a dtype= / torch_dtype= argument asks for ('auto', a float name), None when not given."""
+    if value is None or isinstance(value, Unknown):
         return value
     if isinstance(value, DtypeValue):
         return float_dtype(value.name)
@@ -69,9 +68,7 @@ def _dtype_of(value: object) -> str | None | Unknown:
 
 def _device_of(value: object) -> str | None | Unknown:
     """Where a device_map / map_location / device argument puts the weights."""
-    if value is None:
-        return None
-    if isinstance(value, Unknown):
+    if value is None or isinstance(value, Unknown):
         return value
     if isinstance(value, DeviceValue):
         return device_text(value.name)

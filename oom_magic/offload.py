@@ -9,34 +9,13 @@ creates the folder or writes anything.
 from __future__ import annotations
 
 import os
-import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import OomMagicError
+from .host import disk_free, ram_available
+from .records.preflight import OffloadCheck
 
 __all__ = ["OffloadCheck", "check_offload"]
-
-
-@dataclass(frozen=True)
-class OffloadCheck:
-    """Whether an offload plan's CPU and disk shares fit on this machine; int bytes, None where unknown."""
-
-    folder: Path                # the offload folder, absolute
-    folder_exists: bool         # it is an existing directory
-    folder_creatable: bool      # it exists and is writable, or its nearest existing parent is a writable directory
-    disk_free: int | None       # free bytes on the file system that holds (or would hold) the folder
-    ram_available: int | None   # psutil.virtual_memory().available
-    shortfalls: tuple[str, ...]  # one line each: what falls short and by how much
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing falls short (unknown figures are not shortfalls)."""
-        return not self.shortfalls
-
-    def __repr__(self) -> str:
-        state = "ok" if self.ok else f"{len(self.shortfalls)} shortfall(s)"
-        return f"OffloadCheck({str(self.folder)!r}, {state})"
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -53,22 +32,6 @@ def _writable_dir(path: Path) -> bool:
     """Whether this process may create entries in ``path`` (as its effective user, where the OS can say)."""
     effective = os.access in os.supports_effective_ids
     return os.access(path, os.W_OK | os.X_OK, effective_ids=effective)
-
-
-def _disk_free(path: Path) -> int | None:
-    try:
-        return int(shutil.disk_usage(path).free)
-    except OSError:
-        return None
-
-
-def _ram_available() -> int | None:
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:
-        return None
 
 
 def check_offload(plan_bytes_cpu: int, plan_bytes_disk: int, offload_folder: str | os.PathLike[str]) -> OffloadCheck:
@@ -90,8 +53,8 @@ def check_offload(plan_bytes_cpu: int, plan_bytes_disk: int, offload_folder: str
         creatable = folder_exists and _writable_dir(folder)
     else:
         creatable = anchor.is_dir() and _writable_dir(anchor)
-    disk_free = _disk_free(anchor)
-    ram_available = _ram_available()
+    disk_free_bytes = disk_free(anchor)
+    ram_free = ram_available()
 
     shortfalls: list[str] = []
     if plan_bytes_disk > 0:
@@ -103,21 +66,21 @@ def check_offload(plan_bytes_cpu: int, plan_bytes_disk: int, offload_folder: str
             where = folder if folder_exists else anchor
             verb = "is not writable" if folder_exists else "is not writable, so the folder cannot be created"
             shortfalls.append(f"offload folder {folder}: {where} {verb} by this process")
-        if disk_free is not None and plan_bytes_disk > disk_free:
+        if disk_free_bytes is not None and plan_bytes_disk > disk_free_bytes:
             shortfalls.append(
                 f"disk at {anchor}: the plan offloads {format_bytes(plan_bytes_disk)} but only "
-                f"{format_bytes(disk_free)} is free; short by {format_bytes(plan_bytes_disk - disk_free)}"
+                f"{format_bytes(disk_free_bytes)} is free; short by {format_bytes(plan_bytes_disk - disk_free_bytes)}"
             )
-    if ram_available is not None and plan_bytes_cpu > ram_available:
+    if ram_free is not None and plan_bytes_cpu > ram_free:
         shortfalls.append(
             f"CPU RAM: the plan keeps {format_bytes(plan_bytes_cpu)} in RAM but only "
-            f"{format_bytes(ram_available)} is available; short by {format_bytes(plan_bytes_cpu - ram_available)}"
+            f"{format_bytes(ram_free)} is available; short by {format_bytes(plan_bytes_cpu - ram_free)}"
         )
     return OffloadCheck(
         folder=folder,
         folder_exists=folder_exists,
         folder_creatable=creatable,
-        disk_free=disk_free,
-        ram_available=ram_available,
+        disk_free=disk_free_bytes,
+        ram_available=ram_free,
         shortfalls=tuple(shortfalls),
     )

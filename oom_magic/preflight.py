@@ -21,8 +21,8 @@ from .errors import OomMagicError
 from .host import cuda_process_cap, disk_free, ram_total, usable_ram
 from .lints import load_lints
 from .load_calls import device_text, find_load_calls, scan_cell
-from .offload import OffloadCheck, check_offload
-from .records.preflight import FitCheck, Lint, LoadCall, Preflight, Verdict
+from .offload import check_offload
+from .records.preflight import FitCheck, Lint, LoadCall, OffloadCheck, Preflight, Verdict
 from .sizes import parse_headroom
 from .targets import Target, parse_target
 

@@ -1,4 +1,4 @@
-"""The fit check's records: the loads found in a cell, each load's fit verdict, the lints, the whole preflight.
+"""The fit check's records: the loads found in a cell, each load's fit verdict (with its offload check), the lints, the whole preflight.
 
 Frozen dataclasses with int bytes (None where unknown). They are drawn by ``render.fit``, which
 registers their text and HTML with ``shown.renders``.
@@ -6,6 +6,7 @@ registers their text and HTML with ``shown.renders``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .shown import Shown
@@ -13,10 +14,9 @@ from .shown import Shown
 if TYPE_CHECKING:
     # Records of the advice and the target GPU, still beside the code that builds them.
     from ..diagnose import FitOption
-    from ..offload import OffloadCheck
     from ..targets import Target
 
-__all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "Preflight", "Severity", "Verdict"]
+__all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "OffloadCheck", "Preflight", "Severity", "Verdict"]
 
 LoadKind = Literal["from_pretrained", "torch.load", "load_file"]
 Verdict = Literal["fits", "will-not-fit", "unknown"]
@@ -47,6 +47,27 @@ class LoadCall:
     cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
     notes: tuple[str, ...] = ()
     skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
+
+
+@dataclass(frozen=True)
+class OffloadCheck:
+    """Whether an offload plan's CPU and disk shares fit on this machine; int bytes, None where unknown."""
+
+    folder: Path                # the offload folder, absolute
+    folder_exists: bool         # it is an existing directory
+    folder_creatable: bool      # it exists and is writable, or its nearest existing parent is a writable directory
+    disk_free: int | None       # free bytes on the file system that holds (or would hold) the folder
+    ram_available: int | None   # psutil.virtual_memory().available
+    shortfalls: tuple[str, ...]  # one line each: what falls short and by how much
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing falls short (unknown figures are not shortfalls)."""
+        return not self.shortfalls
+
+    def __repr__(self) -> str:
+        state = "ok" if self.ok else f"{len(self.shortfalls)} shortfall(s)"
+        return f"OffloadCheck({str(self.folder)!r}, {state})"
 
 
 @dataclass(frozen=True)
