@@ -20,6 +20,7 @@ from .diagnose import Diagnosis, diagnose
 from .guard import GuardReport, guard_load
 from .preflight import Preflight, preflight_check
 from .fit import fit_check
+from . import render  # noqa: F401  (last: the records find their renderers)
 
 __version__ = "0.1.0"
 

@@ -10,12 +10,13 @@ import re
 from typing import TYPE_CHECKING
 from collections.abc import Iterable
 
+from ..records.diagnosis import Cause, Diagnosis, FitOption, RetryVerdict
+from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
+from ..records.shown import renders
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
-    from ..diagnose import Cause, Diagnosis, FitOption, RetryVerdict
-    from ..guard import AllocatorSetting, GiveBack, GuardReport, Rehearsal, VariableUse
     from ..preflight import FitCheck, Lint, Preflight
     from ..targets import Target
 
@@ -645,3 +646,20 @@ def script_wording(text: str) -> str:
     for pattern, words in _SCRIPT_WORDS:
         text = pattern.sub(words, text)
     return text
+
+
+def quiet_summary_text(report: GuardReport) -> str:
+    """%%guardload --quiet: the run summary's first line."""
+    return run_summary_text(report).splitlines()[0]
+
+
+def quiet_summary_html(report: GuardReport) -> str:
+    """%%guardload --quiet as HTML: the run summary's first line, bold."""
+    return f"<div class='oom-guard'><b>{escape(quiet_summary_text(report))}</b></div>"
+
+
+renders(GuardReport, guard_report_text, guard_report_html, pretty=run_summary_text)
+renders(QuietGuardReport, guard_report_text, quiet_summary_html, pretty=quiet_summary_text)
+renders(Diagnosis, diagnosis_text, diagnosis_html)
+renders(Cause, cause_text)
+renders(FitOption, option_code)
