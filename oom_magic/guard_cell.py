@@ -24,7 +24,9 @@ def _cell_number(shell: Any) -> int:
 
     try:
         name, number = next(reversed(shell.compile._filename_map.items()))
-        if "run_cell_magic('guardload'" in "".join(linecache.cache.get(name, (0, 0, [], ""))[2]):
+        entry = linecache.cache.get(name)
+        lines = entry[2] if entry is not None and len(entry) == 4 else []  # a lazy entry has no lines yet
+        if "run_cell_magic('guardload'" in "".join(lines):
             return int(number)
     except Exception:
         pass

@@ -127,7 +127,8 @@ def _fit_check(preflight: Preflight | None, device: str) -> FitCheck | None:
         return None
     sized = [c for c in preflight.checks if c.estimate is not None]
     same = [c for c in sized if c.device == device or (c.device == "auto" and any(d == device for d, _ in c.split))]
-    return (same or sized or [None])[0]
+    found = same or sized
+    return found[0] if found else None
 
 
 def _ram_budget(headroom: str | int | None) -> int | None:

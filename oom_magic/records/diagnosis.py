@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal
 from .shown import Shown
 
 if TYPE_CHECKING:
-    from ..oom import OOMMessage
+    from .oom import OOMMessage
     from ..processes import ProcessInfo
 
 __all__ = ["Cause", "CauseKind", "Diagnosis", "FitKind", "FitOption", "RetryReason", "RetryVerdict"]

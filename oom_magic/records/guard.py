@@ -13,7 +13,7 @@ from .shown import Shown
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
     from ..devices import DeviceReading
-    from ..oom import OOMMessage
+    from .oom import OOMMessage
     from ..preflight import Preflight
     from ..targets import Cap, Target
     from .diagnosis import Diagnosis

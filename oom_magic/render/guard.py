@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import re
 from typing import TYPE_CHECKING
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..records.diagnosis import Cause, Diagnosis, FitOption, RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
@@ -124,7 +124,7 @@ def option_rows(options: Iterable[FitOption], device: str) -> list[tuple[str, st
             for o in options]
 
 
-def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]], indent: str) -> list[str]:
     if not rows:
         return []
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
@@ -276,7 +276,7 @@ def refusal_line(preflight: Preflight) -> str:
     """One line for --strict: which load will not fit, by how much, and the first option that fits."""
     check = preflight.will_not_fit[0]
     local = check.local if check.local is not None and check.local.verdict == "will-not-fit" else None
-    if check.verdict != "will-not-fit" and local is not None:  # --target: fits there, not here
+    if check.verdict != "will-not-fit" and local is not None and check.target is not None:  # --target: fits there, not here
         return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
                 f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: needs "
                 f"{format_bytes(local.need)}, {format_bytes(-(local.margin or 0))} short")
