@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, TextIO
 
-from .render.guard import (allocator_line, cleanup_line, diagnosis_text, give_back_line, preflight_text,
-                           refusal_line, rehearsal_line, retry_line, script_wording, short_message)
+from .render.diagnosis import diagnosis_text
+from .render.guard import (allocator_line, cleanup_line, give_back_line, preflight_text, refusal_line, rehearsal_line,
+                           retry_line, script_wording, short_message)
 from .roots import current_shell
 
 if TYPE_CHECKING:

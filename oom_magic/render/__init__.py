@@ -1,2 +1,2 @@
 """Text and HTML for the records; importing this package registers every renderer (records/shown.py)."""
-from . import guard  # noqa: F401  (registers the guard and diagnosis records)
+from . import advice, diagnosis, guard  # noqa: F401  (each registers its records' renderers at import)
