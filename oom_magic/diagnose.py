@@ -1,7 +1,9 @@
 """Explain an out-of-memory error: rank its likely causes, each with the numbers that show it.
 
-Pure: figures in (the parsed message, device readings, what the cleanup and the give-back
-recovered, the checkpoint estimate), records out. No torch, no IPython, no device calls. The
+Figures in (the parsed message, device readings, what the cleanup and the give-back recovered,
+the checkpoint estimate), records (``records/diagnosis.py``) out. No torch, no IPython, no device
+calls; the one look outside is whether a pid the message lists exists in this pid namespace (to
+recognise this process under its host pid in a container). The
 ways to make a load fit (``fit_options``) live here too, because a preflight that says "will not
 fit" and a diagnosis that says "too big" give the same advice with the same sizes.
 
