@@ -20,44 +20,42 @@ def _guard(**kwargs: Any):
     return guard_load(device="cpu", cleanup=False, expandable_segments=False, namespace={}, quiet=True, **kwargs)
 
 
-def _with(error: BaseException | None) -> GuardReport:
+def _settled(drive: Any) -> GuardReport:
+    """The report after ``drive(guard)``; a ValueError from the load goes on, as it does without the guard."""
     guard = _guard(raise_on_oom=False)
     try:
-        with guard:
-            if error is not None:
-                raise error
+        drive(guard)
     except ValueError:
         pass
     assert guard.report is not None
     return guard.report
 
 
+def _with(error: BaseException | None) -> GuardReport:
+    def drive(guard: Any) -> None:
+        with guard:
+            if error is not None:
+                raise error
+
+    return _settled(drive)
+
+
 def _loop(error: BaseException | None) -> GuardReport:
-    guard = _guard(raise_on_oom=False)
-    try:
+    def drive(guard: Any) -> None:
         for attempt in guard:
             with attempt:
                 if error is not None:
                     raise error
-    except ValueError:
-        pass
-    assert guard.report is not None
-    return guard.report
+
+    return _settled(drive)
 
 
 def _run(error: BaseException | None) -> GuardReport:
-    guard = _guard(raise_on_oom=False)
-
     def load() -> None:
         if error is not None:
             raise error
 
-    try:
-        guard.run(load)
-    except ValueError:
-        pass
-    assert guard.report is not None
-    return guard.report
+    return _settled(lambda guard: guard.run(load))
 
 
 @pytest.mark.parametrize("way", [_with, _loop, _run], ids=["with", "loop", "run"])
