@@ -10,13 +10,14 @@ import sys
 from typing import Any
 from collections.abc import Iterable
 
-from ._torch import cuda_initialized, loaded_torch
+from ._torch import loaded_torch
 from .devices import read_device, resolve_device
 from .errors import OomMagicError
 from .holders import Attribution, attribute
 from .nvml import Nvml
 from .records.cleanup import FreeReport, StillHeld
 from .records.snapshot import OTHER, STALE_KINDS, TRACEBACK, HolderKind, StorageRecord
+from .release import clear_frames, empty_cache, forget_last_exception
 from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
 from .tracker import LiveTensors, find_tensors, tensor_types
 
@@ -70,7 +71,7 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         try:
             if freeing:
                 gc.collect()
-            _empty_caches(torch, where)
+            empty_cache(torch, where)
             after = read_device(where, nvml)
             after_live = find_tensors(torch, where) if freeing else None
         except Exception as exc:
@@ -185,11 +186,9 @@ def _give_back(roots: Roots, stale: dict, attribution: Attribution, shell: Any,
         _drop_output_refs(cached, shell, namespace)
         for name, obj in roots.traceback:
             if name in stale_roots and id(obj) not in attribution.user_reachable:
-                _clear_exception(obj, attribution.user_reachable)
+                clear_frames(obj, attribution.user_reachable)
         if any(h.kind == TRACEBACK for h in stale.values()):
-            for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
-                if hasattr(sys, attr):
-                    delattr(sys, attr)
+            forget_last_exception()
     except Exception:
         namespace.update(zip(names, removed))  # a part-way failure leaves every user variable in place
         raise
@@ -234,48 +233,6 @@ def _drop_output_refs(objects: list[object], shell: Any, namespace: dict) -> Non
     last = getattr(shell, "last_execution_result", None)
     if last is not None and id(getattr(last, "result", None)) in ids:
         last.result = None
-
-
-def _clear_exception(obj: object, keep: frozenset[int] = frozenset()) -> None:
-    """Clear the frames of an exception's (or a traceback's) whole chain; running frames and those a
-    user variable reaches (``fr = err.__traceback__.tb_frame``: ids in ``keep``) are skipped."""
-    seen: set[int] = set()
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if item is None or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if isinstance(item, BaseException):
-            stack += [item.__traceback__, item.__cause__, item.__context__]
-        elif type(item).__name__ == "traceback":
-            tb = item
-            while tb is not None:
-                if id(tb) not in keep and id(tb.tb_frame) not in keep:
-                    _clear_frame(tb.tb_frame)
-                tb = tb.tb_next
-
-
-def _clear_frame(frame: Any) -> None:
-    """Drop a finished frame's locals, including the dict snapshot ``f_locals`` may have cached."""
-    try:
-        frame.clear()
-    except RuntimeError:  # a frame still executing (this very call stack)
-        return
-    # Python <= 3.12 keeps a materialised f_locals dict after clear(); reading f_locals
-    # re-syncs it from the now-empty fast locals, which deletes the stale entries.
-    if frame.f_code.co_flags & 0x1:  # CO_OPTIMIZED: a function frame, not a module's globals
-        frame.f_locals
-
-
-def _empty_caches(torch: Any, device: str) -> None:
-    try:
-        if device.startswith("cuda") and cuda_initialized():
-            torch.cuda.empty_cache()
-        elif device == "mps":
-            torch.mps.empty_cache()
-    except Exception:
-        pass
 
 
 def _still_held(after_live: LiveTensors, names: tuple[str, ...], named: dict[str, set[int]],

@@ -1,7 +1,9 @@
 """Explain an out-of-memory error: rank its likely causes, each with the numbers that show it.
 
-Pure: figures in (the parsed message, device readings, what the cleanup and the give-back
-recovered, the checkpoint estimate), records out. No torch, no IPython, no device calls. The
+Figures in (the parsed message, device readings, what the cleanup and the give-back recovered,
+the checkpoint estimate), records (``records/diagnosis.py``) out. No torch, no IPython, no device
+calls; the one look outside is whether a pid the message lists exists in this pid namespace (to
+recognise this process under its host pid in a container). The
 ways to make a load fit (``fit_options``) live here too, because a preflight that says "will not
 fit" and a diagnosis that says "too big" give the same advice with the same sizes.
 
@@ -16,11 +18,11 @@ Causes, in the order used to break ties:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from collections.abc import Mapping, Sequence
 
 from .oom import OOMMessage, parse_oom_message
+from .records.diagnosis import Cause, Diagnosis, FitOption, RetryVerdict
 
 if TYPE_CHECKING:
     from .devices import DeviceReading
@@ -33,122 +35,6 @@ CAUSE_ORDER = ("other-processes", "stale", "variables", "fragmentation", "too-bi
 # A cause that explains less than this share of the shortfall is left out of the ranking.
 _MIN_SCORE = 0.05
 _HALF = "bfloat16"
-
-
-@dataclass(frozen=True)
-class FitOption:
-    """One way to make this load fit, with its sizes for this model on this machine.
-
-    ``kind``: 'bfloat16' | 'int8' | 'nf4' | 'device-map-auto' | 'offload-folder' |
-    'map-location-cpu' | 'device-cpu' (load_file) | 'mmap' | 'skip-optimizer'. ``device_bytes`` is what lands on the target
-    device, ``cpu_bytes`` / ``disk_bytes`` what accelerate would place in RAM / on disk.
-    ``max_memory`` is the budget dict to pass (key: device index, 'mps' or 'cpu'; value: bytes).
-    ``fits`` is None when a budget is unknown.
-    """
-
-    kind: str
-    device_bytes: int
-    fits: bool | None
-    cpu_bytes: int = 0
-    disk_bytes: int = 0
-    dtype: str | None = None
-    max_memory: tuple[tuple[int | str, int], ...] = ()
-    offload_folder: str | None = None
-    key: str | None = None  # skip-optimizer: the top-level key that holds the model weights
-
-    def code(self) -> str:
-        """The change to make in the load call, as code to paste."""
-        from .render.guard import option_code
-
-        return option_code(self)
-
-    def __repr__(self) -> str:
-        return f"<FitOption {self.kind}: {self.device_bytes} B on device, fits={self.fits}>"
-
-
-@dataclass(frozen=True)
-class Cause:
-    """One likely cause of the out-of-memory error and the figures that show it (int bytes)."""
-
-    kind: str
-    score: float  # share of the shortfall this cause accounts for (1.0: alone enough); ranking key
-    figures: tuple[tuple[str, int | None], ...]
-    processes: tuple[ProcessInfo, ...] = ()  # other-processes
-    holders: tuple[tuple[str, int], ...] = ()  # variables: (name, bytes), largest first
-    kernels: tuple[tuple[int, str | None, str], ...] = ()  # other-processes: (pid, notebook, how to stop it)
-    options: tuple[FitOption, ...] = ()  # too-big / partial-load
-    flags: tuple[str, ...] = ()  # facts the advice depends on ('expandable-on', 'cuda-initialized', ...)
-
-    def figure(self, name: str) -> int | None:
-        """One named figure (bytes), None when unknown or absent."""
-        return dict(self.figures).get(name)
-
-    def text(self) -> str:
-        """The cause as lines of text: what, with numbers, then what to do."""
-        from .render.guard import cause_text
-
-        return cause_text(self)
-
-    def __repr__(self) -> str:
-        return f"<Cause {self.kind} score={self.score:.2f}>"
-
-
-@dataclass(frozen=True)
-class RetryVerdict:
-    """Whether running the same load again can fit now, and the two figures that decide it.
-
-    ``reason``: 'fits-now' | 'still-short' | 'unknown' (a figure is missing).
-    """
-
-    can_fit: bool
-    reason: str
-    free_now: int | None
-    need: int | None  # the least the same load needs: its estimate, or what it held + what it asked
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """Why a load ran out of memory: causes ranked most likely first, and whether a retry can fit."""
-
-    device: str
-    oom: OOMMessage | None
-    requested: int | None
-    free: int | None  # free on the device when it failed
-    total: int | None
-    shortfall: int | None  # requested - free
-    causes: tuple[Cause, ...]
-    retry: RetryVerdict
-    notes: tuple[str, ...] = ()
-
-    @property
-    def top(self) -> Cause | None:
-        """The most likely cause, or None when nothing explains it."""
-        return self.causes[0] if self.causes else None
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The cause kinds, most likely first."""
-        return tuple(c.kind for c in self.causes)
-
-    def cause(self, kind: str) -> Cause | None:
-        """The cause of one kind, or None."""
-        return next((c for c in self.causes if c.kind == kind), None)
-
-    def __repr__(self) -> str:
-        return f"<Diagnosis {self.device}: {', '.join(self.kinds) or 'no cause found'}; retry={self.retry.can_fit}>"
-
-    def __str__(self) -> str:
-        from .render.guard import diagnosis_text
-
-        return diagnosis_text(self)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
-
-    def _repr_html_(self) -> str:
-        from .render.guard import diagnosis_html
-
-        return diagnosis_html(self)
 
 
 def device_index(device: str) -> int | str:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from IPython.core.error import UsageError
@@ -19,7 +18,7 @@ from .snapshot import Snapshot, snapshot
 if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
-    from .guard import GuardReport
+    from .records.guard import GuardReport
     from .render.plot import Timeline
     from .watch import WatchStatus
 
@@ -259,16 +258,13 @@ class OomMagics(Magics):
 
     def _guard_traceback(self, exc: BaseException) -> str:
         """The error as IPython prints it, without the guard's own frames."""
-        tb = exc.__traceback__
-        while tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("oom_magic."):
-            tb = tb.tb_next
+        from .tracebacks import format_user_traceback, user_traceback
+
         formatter = self.shell.InteractiveTB
         try:
-            return formatter.stb2text(formatter.structured_traceback(type(exc), exc, tb))
+            return formatter.stb2text(formatter.structured_traceback(type(exc), exc, user_traceback(exc)))
         except Exception:
-            import traceback
-
-            return "".join(traceback.format_exception(type(exc), exc, tb))
+            return format_user_traceback(exc)
         finally:
             formatter.tb = None  # the formatter keeps the last traceback: that would keep the frames
 
@@ -290,28 +286,6 @@ def _quiet(report: GuardReport) -> GuardReport:
     """The same report, shown as its one summary line (%%guardload --quiet)."""
     from dataclasses import fields
 
-    return _quiet_type()(**{f.name: getattr(report, f.name) for f in fields(report)})
+    from .records.guard import QuietGuardReport
 
-
-@cache
-def _quiet_type() -> type:
-    """GuardReport with a one-line display; made once, when --quiet is first used (guard.py loads lazily)."""
-    from .guard import GuardReport
-
-    class QuietGuardReport(GuardReport):
-        """A GuardReport whose display is one line; every field and property is the report's."""
-
-        def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-            from .render.guard import run_summary_text
-
-            printer.text(run_summary_text(self).splitlines()[0])
-
-        def _repr_html_(self) -> str:
-            from html import escape
-
-            from .render.guard import run_summary_text
-
-            return f"<div class='oom-guard'><b>{escape(run_summary_text(self).splitlines()[0])}</b></div>"
-
-    QuietGuardReport.__qualname__ = "QuietGuardReport"
-    return QuietGuardReport
+    return QuietGuardReport(**{f.name: getattr(report, f.name) for f in fields(report)})

@@ -7,8 +7,10 @@ c10/cuda/CUDACachingAllocator.cpp (1.x "(GPU 0; ... reserved in total by PyTorch
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Any
+
+from .records.oom import Backend, OOMMessage
 
 __all__ = ["OOMMessage", "is_out_of_memory", "parse_oom_message"]
 
@@ -42,6 +44,7 @@ _MARKER = _rx(
     r"(?: when calling `[^`]{0,100}`)?)"
 )
 _MARKER_WORDS = ("out of memory", "DefaultCPUAllocator", "BLAS_STATUS_ALLOC_FAILED")
+_GPU_BACKENDS: dict[str, Backend] = {"CUDA": "cuda", "HIP": "hip", "XPU": "xpu"}
 _GPU_HEAD = _rx(rf"(CUDA|HIP|XPU) out of memory\.(?: Tried to allocate {_SIZE})?")
 # PyTorch 1.x-2.0 and today's XPU allocator: "(GPU 0; <size> <label>; ...)". Fields are read one
 # by one, so a message that leaves one out (XPU has no "free") still gives every field it has.
@@ -72,30 +75,6 @@ _ADVICE = _rx(
     r"|Error code \d{1,6} \([^()]{0,80}\))"
 )
 
-
-@dataclass(frozen=True)
-class OOMMessage:
-    """One out-of-memory error as PyTorch printed it: which device, what was asked, what was held.
-
-    All figures are int bytes, rounded from PyTorch's two-decimal print, or None where the message
-    does not give them. For MPS, `total` is the "max allowed" limit and `allocated` is
-    "MPS allocated".
-    """
-
-    backend: str  # 'cuda' | 'hip' | 'xpu' | 'mps' | 'cpu'
-    device_index: int | None
-    requested: int | None
-    total: int | None
-    free: int | None
-    allocated: int | None  # allocated by PyTorch
-    reserved_unallocated: int | None  # reserved by PyTorch but unallocated (the cache)
-    reserved_total: int | None  # reserved in total by PyTorch
-    this_process: int | None  # "Including non-PyTorch memory, this process has M memory in use"
-    processes: tuple[tuple[int, int], ...]  # (pid, bytes) from "Process P has M memory in use."
-    other_allocations: int | None  # MPS "other allocations"
-    pool: str | None  # MPS 'private' | 'shared'
-    text: str = field(repr=False)  # the one OOM message as found, whitespace normalised
-    allowed: int | None = None  # "X allowed;": the cap set_per_process_memory_fraction put on this process
 
 
 def parse_oom_message(text: str) -> OOMMessage | None:
@@ -186,7 +165,7 @@ def _parse_gpu(window: str) -> OOMMessage:
             found.update(allocated=allocated, reserved_unallocated=cache,
                          reserved_total=_sum(allocated, cache))
             pos = split.end()
-    return _record(head.group(1).lower(), window[: _advice_end(window, pos)], **found)
+    return _record(_GPU_BACKENDS[head.group(1)], window[: _advice_end(window, pos)], **found)
 
 
 def _v1_fields(body: str) -> dict[str, int | None] | None:
@@ -221,8 +200,8 @@ def _parse_cpu(window: str, marker_len: int) -> OOMMessage:
     return _record("cpu", window[: _advice_end(window, pos)], **found)
 
 
-def _record(backend: str, text: str, **found: object) -> OOMMessage:
-    fields: dict[str, object] = dict.fromkeys(
+def _record(backend: Backend, text: str, **found: object) -> OOMMessage:
+    fields: dict[str, Any] = dict.fromkeys(
         ("device_index", "requested", "total", "free", "allocated", "reserved_unallocated",
          "reserved_total", "this_process", "other_allocations", "pool")
     )

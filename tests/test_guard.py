@@ -27,8 +27,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from oom_magic import guard_load
 from oom_magic.errors import OomMagicError
 from oom_magic.estimate import estimate_checkpoint
-from oom_magic.guard import (allocator_setting, apply_allocator_setting, cuda_peak_read, cuda_peak_start,
-                             dump_history, largest_free_block, start_history, stop_history)
+from oom_magic.allocator import (allocator_setting, apply_allocator_setting, cuda_peak_read, cuda_peak_start,
+                                 dump_history, largest_free_block, start_history, stop_history)
 from oom_magic.preflight import cuda_process_cap
 from oom_magic.render.guard import guard_report_html
 from oom_magic.render.units import format_bytes

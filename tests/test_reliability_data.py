@@ -254,7 +254,7 @@ def _failing_after(calls: int, what: str) -> Any:
     return wrap
 
 
-SITES = ["attribute", "_drop_output_refs", "_clear_exception", "_clear_frame", "gc.collect", "_empty_caches",
+SITES = ["attribute", "_drop_output_refs", "clear_frames", "forget_last_exception", "gc.collect", "empty_cache",
          "find_tensors", "read_device", "_still_held"]
 
 

@@ -207,8 +207,8 @@ def test_ctrl_c_while_the_forensics_print_puts_the_fraction_back(fake_gpu, monke
     def interrupted_print(*args: Any, **kwargs: Any) -> str:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("oom_magic.render.guard.diagnosis_text", interrupted_print)
-    assert guard_module  # the guard imports diagnosis_text at call time, so the patch reaches it
+    monkeypatch.setattr("oom_magic.guard_report.diagnosis_text", interrupted_print)
+    assert guard_module  # the guard's printer renders the diagnosis with guard_report.diagnosis_text
     with pytest.raises(KeyboardInterrupt):
         with guard_load(device="cuda:0", target="T4", expandable_segments=False, namespace={}):
             cuda.allocate(20 * GiB)

@@ -14,14 +14,19 @@ from collections.abc import Callable
 class Renderer:
     text: Callable[[Any], str]
     html: Callable[[Any], str | None] | None = None  # None from it: no HTML for this record
+    pretty: Callable[[Any], str] | None = None  # IPython's terminal display, when it is not the text form
 
 
 _RENDERERS: dict[type, Renderer] = {}
 
 
-def renders(record_type: type, text: Callable[[Any], str], html: Callable[[Any], str | None] | None = None) -> None:
-    """Register how ``record_type`` is shown: ``text`` for str and the terminal, ``html`` for notebooks."""
-    _RENDERERS[record_type] = Renderer(text, html)
+def renders(record_type: type, text: Callable[[Any], str], html: Callable[[Any], str | None] | None = None,
+            pretty: Callable[[Any], str] | None = None) -> None:
+    """Register how ``record_type`` is shown: ``text`` for str and the terminal, ``html`` for notebooks.
+
+    ``pretty``: what IPython's terminal display shows when that is shorter than ``str`` (a summary).
+    """
+    _RENDERERS[record_type] = Renderer(text, html, pretty)
 
 
 def renderer_for(record: object) -> Renderer | None:
@@ -49,7 +54,8 @@ class Shown:
         return found.text(self) if found is not None else repr(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
+        found = renderer_for(self)
+        printer.text(found.pretty(self) if found is not None and found.pretty is not None else str(self))
 
     def _repr_html_(self) -> str | None:
         found = renderer_for(self)

@@ -1,133 +1,31 @@
-"""Text and HTML for %%guardload: preflight, give-back, diagnosis, the run summary, fit options.
+"""Text and HTML for %%guardload: cleanup, allocator and preflight lines, the give-back, the run summary.
 
-Every string that comes from outside (paths, variable names, process names, error messages,
-call source) is escaped in the HTML forms.
+The diagnosis is worded in ``render/diagnosis.py`` and the fit options in ``render/advice.py``
+(their names are re-exported here). Every string that comes from outside (paths, variable names,
+process names, error messages, call source) is escaped in the HTML forms.
 """
 from __future__ import annotations
 
-import math
 import re
 from typing import TYPE_CHECKING
-from collections.abc import Iterable
 
+from ..records.diagnosis import RetryVerdict
+from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
+from ..records.shown import renders
+from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, size_literal, target_label, target_place
+from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
     from ..cleanup import FreeReport
-    from ..diagnose import Cause, Diagnosis, FitOption, RetryVerdict
-    from ..guard import AllocatorSetting, GiveBack, GuardReport, Rehearsal, VariableUse
     from ..preflight import FitCheck, Lint, Preflight
     from ..targets import Target
 
-_OPTION_LABELS = {
-    "bfloat16": "bf16/fp16",
-    "int8": "8-bit (bitsandbytes)",
-    "nf4": "4-bit nf4 (bitsandbytes)",
-    "device-map-auto": "spread over device + RAM",
-    "offload-folder": "spill the rest to disk",
-    "map-location-cpu": "load on CPU first",
-    "device-cpu": "load on CPU first",
-    "mmap": "memory-map the file",
-    "skip-optimizer": "model weights only",
-}
-_CAUSE_TITLES = {
-    "other-processes": "other processes hold memory",
-    "stale": "stale memory in this process",
-    "variables": "your variables hold memory",
-    "fragmentation": "fragmentation",
-    "too-big": "the load is too big",
-    "partial-load": "the failed load was given back",
-}
-
-
-# --------------------------------------------------------------------------- small pieces
-
-
-def size_literal(nbytes: int) -> str:
-    """A max_memory value accelerate reads, rounded down: '"8.2GiB"', '"512MiB"', '"96KiB"', or an int."""
-    if nbytes <= 0:
-        return "0"
-    for unit, factor in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= factor:
-            if unit == "GiB":
-                value = math.floor(nbytes / factor * 10) / 10
-                text = f"{value:.1f}".rstrip("0").rstrip(".")
-            else:
-                text = str(nbytes // factor)
-            return f'"{text}{unit}"'
-    return str(nbytes)
-
-
-def _max_memory_literal(pairs: Iterable[tuple[int | str, int]]) -> str:
-    parts = [f"{key if isinstance(key, int) else repr(key).replace(chr(39), chr(34))}: {size_literal(b)}" for key, b in pairs]
-    return "{" + ", ".join(parts) + "}"
-
-
-def option_code(option: FitOption) -> str:
-    """The change to the load call, as code to paste."""
-    rest = f"torch.{option.dtype}" if option.dtype else "torch.bfloat16"
-    kind = option.kind
-    if kind == "bfloat16":
-        return "dtype=torch.bfloat16"
-    if kind == "int8":
-        return f"quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype={rest}"
-    if kind == "nf4":
-        return (f'quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
-                f"bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype={rest}), dtype={rest}")
-    if kind == "device-map-auto":
-        return f'device_map="auto", max_memory={_max_memory_literal(option.max_memory)}'
-    if kind == "offload-folder":
-        return (f'device_map="auto", max_memory={_max_memory_literal(option.max_memory)}, '
-                f'offload_folder="{option.offload_folder or "offload"}"')
-    if kind == "map-location-cpu":
-        return 'map_location="cpu", weights_only=True (then move the model with .to(device))'
-    if kind == "device-cpu":
-        return 'device="cpu" (then move the model with .to(device))'
-    if kind == "mmap":
-        return 'map_location="cpu", weights_only=True, mmap=True'
-    if kind == "skip-optimizer":
-        key = f"[{option.key!r}]" if option.key else ""
-        return f'torch.load(path, map_location="cpu", weights_only=True, mmap=True){key}'
-    return kind
-
-
-def _option_sizes(option: FitOption, device: str) -> str:
-    parts = [f"{format_bytes(option.device_bytes)} on {device}"]
-    if option.cpu_bytes:
-        parts.append(f"{format_bytes(option.cpu_bytes)} in RAM")
-    if option.disk_bytes:
-        parts.append(f"{format_bytes(option.disk_bytes)} on disk")
-    return " + ".join(parts)
-
-
-def target_place(target: Target) -> str:
-    """The target as a place: 'T4', or '16GiB GPU' for a size."""
-    return f"{target.name} GPU" if target.name[:1].isdigit() else target.name
-
-
-def target_label(target: Target) -> str:
-    """The target with its article: 'a T4', 'an A100-80GB', 'a 16GiB GPU', 'an 80GiB GPU'."""
-    place = target_place(target)
-    # Said aloud: letters A E F H I L M N O R S X and the numbers 8, 11, 18, 80... begin with a vowel sound.
-    vowel = place[0] in "AEFHILMNORSX8" or place.startswith(("11", "18")) and not place[2:3].isdigit()
-    return f"{'an' if vowel else 'a'} {place}"
-
-
-def _verdict_word(fits: bool | None) -> str:
-    return "fits" if fits else "unknown" if fits is None else "too big"
-
-
-def option_rows(options: Iterable[FitOption], device: str) -> list[tuple[str, str, str, str]]:
-    """(label, sizes, fits, code) for each option."""
-    return [(_OPTION_LABELS.get(o.kind, o.kind), _option_sizes(o, device), _verdict_word(o.fits), option_code(o))
-            for o in options]
-
-
-def _table(rows: list[tuple[str, ...]], indent: str) -> list[str]:
-    if not rows:
-        return []
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]).rstrip() for r in rows]
+__all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
+           "give_back_line", "guard_report_html", "guard_report_text", "lint_text", "option_code", "option_rows",
+           "preflight_html", "preflight_text", "quiet_summary_html", "quiet_summary_text", "refusal_line",
+           "rehearsal_line", "retry_line", "retry_text", "run_summary_text", "script_wording", "short_message",
+           "size_literal", "target_label", "target_place"]
 
 
 def lint_text(lint: Lint) -> str:
@@ -162,13 +60,6 @@ def allocator_line(setting: AllocatorSetting) -> str:
 
 
 # --------------------------------------------------------------------------- preflight
-
-
-def cause_title(cause: Cause) -> str:
-    """A few words naming the cause."""
-    if cause.kind == "too-big" and "not-the-weights" in cause.flags:
-        return "one allocation is larger than this device"
-    return _CAUSE_TITLES.get(cause.kind, cause.kind)
 
 
 def _check_lines(check: FitCheck) -> list[str]:
@@ -207,7 +98,7 @@ def _check_lines(check: FitCheck) -> list[str]:
         lines.append("  ways to fit (sizes for this model on this machine):")
         place = check.device if check.device != "auto" else next(
             (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
-        lines += _table(option_rows(check.options, place), "    ")
+        lines += aligned_rows(option_rows(check.options, place), "    ")
     return lines + _offload_lines(check)
 
 
@@ -232,7 +123,7 @@ def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
         lines.append(_local_line(check.local))
     if check.options:
         lines.append(f"  ways to fit on {label} (sizes for this model; RAM and disk are this machine's):")
-        lines += _table(option_rows(check.options, place), "    ")
+        lines += aligned_rows(option_rows(check.options, place), "    ")
     return lines + _offload_lines(check)
 
 
@@ -275,13 +166,13 @@ def refusal_line(preflight: Preflight) -> str:
     """One line for --strict: which load will not fit, by how much, and the first option that fits."""
     check = preflight.will_not_fit[0]
     local = check.local if check.local is not None and check.local.verdict == "will-not-fit" else None
-    if check.verdict != "will-not-fit" and local is not None:  # --target: fits there, not here
+    if check.verdict != "will-not-fit" and local is not None and check.target is not None:  # --target: fits there, not here
         return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
                 f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: needs "
                 f"{format_bytes(local.need)}, {format_bytes(-(local.margin or 0))} short")
     short = -(check.margin or 0)
     first = next((o for o in check.options if o.fits), None)
-    hint = f"; {_OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
+    hint = f"; {OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
     where = target_label(check.target) if check.target is not None else check.device
     both = (f"; nor on this machine ({'RAM' if local.device == 'cpu' else local.device}): "
             f"{format_bytes(-(local.margin or 0))} short" if local is not None else "")
@@ -292,155 +183,6 @@ def refusal_line(preflight: Preflight) -> str:
 def preflight_html(preflight: Preflight) -> str:
     """The preflight as HTML (escaped)."""
     return f"<pre class='oom-preflight'>{escape(preflight_text(preflight))}</pre>"
-
-
-# --------------------------------------------------------------------------- diagnosis
-
-
-def _process_line(p, kernel: tuple[int, str | None, str] | None = None) -> str:
-    who = p.name or "?"
-    bits = [f"pid {p.pid} {who}"]
-    if p.user:
-        bits.append(f"user {p.user}")
-    if kernel is not None and kernel[1]:
-        bits.append(f"Jupyter kernel of {kernel[1]}")
-    elif p.is_jupyter_kernel or kernel is not None:
-        bits.append("Jupyter kernel")
-    text = ", ".join(bits) + f": {format_bytes(p.used_bytes)}"
-    if kernel is not None and kernel[2]:
-        return text + f" → another kernel of yours: {kernel[2]}"
-    if p.note == "another user's process":
-        return text + " → another user's: ask them, or choose a free GPU with CUDA_VISIBLE_DEVICES"
-    if p.is_jupyter_kernel:
-        return text + f" → another kernel of yours: shut it down (its notebook: Kernel ▸ Shut Down Kernel) or `kill {p.pid}`"
-    if p.name:
-        return text + f" → stop it if you do not need it: `kill {p.pid}`"
-    # Not described here (exited, or a host pid seen from a container): never advise killing it.
-    return text + " → not visible from this process (a host pid, in a container?): check `nvidia-smi` on the host"
-
-
-def cause_text(cause: Cause, device: str = "the device", target: Target | None = None) -> str:
-    """One cause: what, with its numbers, then what to do (``target``: the cell ran capped as that GPU)."""
-    f = cause.figure
-    kind = cause.kind
-    lines: list[str] = []
-    if kind == "other-processes":
-        if cause.processes:
-            lines.append(f"other processes hold {format_bytes(f('others'))} on {device}")
-            kernels = {k[0]: k for k in cause.kernels}
-            lines += ["   " + _process_line(p, kernels.get(p.pid)) for p in cause.processes]
-        else:
-            lines.append(f"other processes use {format_bytes(f('others'))} of this machine's "
-                         f"{format_bytes(f('total'))} RAM → close what you do not need")
-    elif kind == "stale":
-        lines.append(f"this process held {format_bytes(f('stale_given_back'))} of stale memory (stored tracebacks, "
-                     "output cache, garbage); it has now been freed")
-        if f("stale_freed_before"):
-            lines.append(f"   the cleanup before the load had already freed {format_bytes(f('stale_freed_before'))}")
-        lines.append("   → keep cleanup on (it is unless --no-cleanup); %freeall frees it any time")
-    elif kind == "variables":
-        held = ", ".join(f"`{name}` {format_bytes(b)}" for name, b in cause.holders)
-        names = " ".join(name for name, _ in cause.holders)
-        lines.append(f"your variables hold {format_bytes(f('held'))} on {device}: {held}")
-        lines.append(f"   → if you no longer need them: %freeall {names}  (deletes them and frees what only they hold)")
-    elif kind == "fragmentation":
-        cache, requested, block = f("cache"), f("requested"), f("largest_free_block")
-        if cache is not None and requested is not None and cache >= requested:
-            lines.append(f"{format_bytes(cache)} is reserved by PyTorch but unallocated — at least the "
-                         f"{format_bytes(requested)} asked for — yet no single free block is that large")
-        elif block is not None:
-            lines.append(f"the largest free block is {format_bytes(block)}, smaller than the {format_bytes(requested)} "
-                         f"asked for, while {format_bytes((cache or 0) + (f('free') or 0))} is free in all")
-        else:
-            lines.append(f"{format_bytes(cache)} is cached by PyTorch and {format_bytes(f('free'))} free on the device: "
-                         f"together enough for {format_bytes(requested)}, but split")
-        if "expandable-on" in cause.flags:
-            lines.append("   → expandable_segments is already on and the cache was emptied; if it persists, restart the kernel")
-        elif "cuda-initialized" in cause.flags:
-            lines.append("   → restart the kernel and run %%guardload first: it sets PYTORCH_CUDA_ALLOC_CONF="
-                         "expandable_segments:True before CUDA initializes")
-        else:
-            lines.append("   → set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA initializes")
-    elif kind == "too-big":
-        need, total = f("need"), f("total")
-        if "not-the-weights" in cause.flags:
-            lines.append(f"one allocation asked for {format_bytes(f('requested'))}: more than the whole checkpoint "
-                         f"({format_bytes(need)}) and more than {device} has in all ({format_bytes(total)})")
-            lines.append("   → it is not the weights that do not fit: look at what the cell allocates besides the "
-                         "load (a cache, a buffer, a batch)")
-        elif "over-capacity" in cause.flags and "process-limit" in cause.flags and target is not None:
-            what = (f"the load needs {format_bytes(need)}" if need is not None
-                    else f"one allocation asked for {format_bytes(f('requested'))}")
-            lines.append(f"too big for {target_label(target)}: {what}, and under --target {target.name} this "
-                         f"process may hold {format_bytes(total)} on {device} (the {target_place(target)}'s "
-                         f"{format_bytes(target.usable)} usable plus what it already held)")
-        elif "over-capacity" in cause.flags and need is not None and "process-limit" in cause.flags:
-            lines.append(f"too big for what this process may use: the load needs {format_bytes(need)}, and "
-                         f"torch.cuda.set_per_process_memory_fraction lets it use {format_bytes(total)} of {device}")
-        elif "over-capacity" in cause.flags and need is not None:
-            lines.append(f"too big for {device}: the load needs {format_bytes(need)}, and {device} has "
-                         f"{format_bytes(total)} in all")
-        elif "over-capacity" in cause.flags:
-            lines.append(f"too big for {device}: one allocation asked for {format_bytes(f('requested'))}, and {device} "
-                         f"has {format_bytes(total)} in all")
-        else:
-            lines.append(f"the load needs {format_bytes(need)} and {format_bytes(f('free_before'))} was free before it")
-        if cause.options and target is not None:
-            lines.append(f"   ways to fit on {target_label(target)} (sizes for this model):")
-            lines += _table(option_rows(cause.options, target_place(target)), "     ")
-        elif cause.options:
-            lines.append("   ways to fit (sizes for this model):")
-            lines += _table(option_rows(cause.options, device), "     ")
-    elif kind == "partial-load":
-        if f("given_back"):
-            lines.append(f"what the failed cell had allocated ({format_bytes(f('given_back'))}) was given back; "
-                         f"{format_bytes(f('free_now'))} is free now")
-            if f("still_held"):
-                lines.append(f"   {format_bytes(f('still_held'))} more that it allocated is still held (named above)")
-        else:
-            lines.append(f"what the failed cell loaded ({format_bytes(f('still_held'))}) is still held (named above), "
-                         f"so it was not given back; {format_bytes(f('free_now'))} is free now")
-            lines.append("   → if you will load again, del those variables first (or %freeall NAME)")
-        for option in cause.options:
-            lines.append(f"   → a retry with {_OPTION_LABELS.get(option.kind, option.kind)} "
-                         f"({format_bytes(option.device_bytes)}) fits now: {option_code(option)}")
-    return "\n".join(map(one_line, lines))  # outside text stays on its line
-
-
-def retry_text(verdict: RetryVerdict) -> str:
-    """Whether the same load can fit now, with the two figures."""
-    if verdict.reason == "unknown":
-        return "retry: not enough figures to say whether running the cell again would fit"
-    ok = "a retry can fit" if verdict.can_fit else "it would run out again"
-    return (f"retry: running the cell again needs at least {format_bytes(verdict.need)}; "
-            f"{format_bytes(verdict.free_now)} is free now → {ok}")
-
-
-def diagnosis_text(diagnosis: Diagnosis, target: Target | None = None) -> str:
-    """The ranked causes with their numbers, then the retry verdict (``target``: ran capped as that GPU)."""
-    d = diagnosis
-    head = f"diagnosis ({d.device}, capped as {target_label(target)})" if target else f"diagnosis ({d.device})"
-    if d.requested is not None:
-        head += f": asked for {format_bytes(d.requested)}"
-        if d.free is not None:
-            head += f" with {format_bytes(d.free)} free"
-        if d.shortfall is not None:
-            head += f" — {format_bytes(d.shortfall)} short"
-    lines = [head]
-    if not d.causes:
-        lines.append("  no cause stands out in the figures")
-    for rank, cause in enumerate(d.causes, 1):
-        body = cause_text(cause, d.device, target).splitlines()
-        lines.append(f"  {rank}. {body[0]}")
-        lines += ["  " + line for line in body[1:]]
-    lines.append(retry_text(d.retry))
-    lines += [f"note: {n}" for n in d.notes]
-    return "\n".join(map(one_line, lines))  # outside text stays on its line
-
-
-def diagnosis_html(diagnosis: Diagnosis, target: Target | None = None) -> str:
-    """The diagnosis as HTML (escaped text)."""
-    return f"<pre class='oom-diagnosis'>{escape(diagnosis_text(diagnosis, target))}</pre>"
 
 
 # --------------------------------------------------------------------------- give back, retry, short error
@@ -645,3 +387,17 @@ def script_wording(text: str) -> str:
     for pattern, words in _SCRIPT_WORDS:
         text = pattern.sub(words, text)
     return text
+
+
+def quiet_summary_text(report: GuardReport) -> str:
+    """%%guardload --quiet: the run summary's first line."""
+    return run_summary_text(report).splitlines()[0]
+
+
+def quiet_summary_html(report: GuardReport) -> str:
+    """%%guardload --quiet as HTML: the run summary's first line, bold."""
+    return f"<div class='oom-guard'><b>{escape(quiet_summary_text(report))}</b></div>"
+
+
+renders(GuardReport, guard_report_text, guard_report_html, pretty=run_summary_text)
+renders(QuietGuardReport, guard_report_text, quiet_summary_html, pretty=quiet_summary_text)
