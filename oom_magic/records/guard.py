@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Literal
 from .shown import Shown
 
 if TYPE_CHECKING:
-    from ..cleanup import FreeReport
+    from .cleanup import FreeReport
     from ..devices import DeviceReading
     from .oom import OOMMessage
-    from ..preflight import Preflight
+    from .preflight import Preflight
     from ..targets import Cap, Target
     from .diagnosis import Diagnosis
 
