@@ -1,6 +1,7 @@
 """The IPython magics: thin adapters from argument strings to the pure core."""
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ def _show(result: object) -> None:
         display(result)
 
 
-def _parse_line(magic: object, line: str) -> object:
+def _parse_line(magic: object, line: str) -> argparse.Namespace:
     """The magic's arguments; a line shlex cannot split (an unclosed quote) is a UsageError too."""
     try:
         return parse_argstring(magic, line)
@@ -171,7 +172,10 @@ class OomMagics(Magics):
                 result = self.cell_watch.command(auto=args.auto, pin=args.pin, plot=args.plot, device=args.device)
             except OomMagicError as exc:
                 raise UsageError(str(exc)) from None
-            return result if args.output else _show(result)
+            if args.output:
+                return result
+            _show(result)
+            return None
         top = 0 if args.all else (args.top if args.top is not None else self.top)
         if top < 0:
             raise UsageError(f"--top must be 0 or more, not {top}")
@@ -180,7 +184,10 @@ class OomMagics(Magics):
         except OomMagicError as exc:
             raise UsageError(str(exc)) from None
         snap = replace(snap, view="json") if args.json else snap
-        return snap if args.output else _show(snap)
+        if args.output:
+            return snap
+        _show(snap)
+        return None
 
     @magic_arguments()
     @argument("names", nargs="*", help="Variables to delete first (as %%xdel does, output cache included); without names only stale memory is freed.")
@@ -229,7 +236,7 @@ class OomMagics(Magics):
         except OomMagicError as exc:  # a bad --headroom or --target names the fix (and the known GPUs)
             raise UsageError(str(exc)) from None
         body, source = compile_cell(self.shell, cell)  # a SyntaxError shows as it would without the magic
-        namespace = self.shell.user_ns
+        namespace = self._ipython.user_ns
         guard = GuardedLoad(
             args.device, args.retry, cleanup=not args.no_cleanup,
             expandable_segments=self.expandable_segments and not args.no_expandable, snapshot=args.snapshot,
@@ -256,11 +263,18 @@ class OomMagics(Magics):
             return _quiet(guard.report)
         return guard.report
 
+    @property
+    def _ipython(self) -> InteractiveShell:
+        """The shell these magics are registered with (Magics types it as optional; here it is always set)."""
+        if self.shell is None:
+            raise UsageError("oom-magic's magics need an IPython shell: load them with %load_ext oom_magic")
+        return self.shell
+
     def _guard_traceback(self, exc: BaseException) -> str:
         """The error as IPython prints it, without the guard's own frames."""
         from .tracebacks import format_user_traceback, user_traceback
 
-        formatter = self.shell.InteractiveTB
+        formatter = self._ipython.InteractiveTB
         try:
             return formatter.stb2text(formatter.structured_traceback(type(exc), exc, user_traceback(exc)))
         except Exception:
