@@ -17,8 +17,8 @@ from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, 
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
-    from ..cleanup import FreeReport
-    from ..preflight import FitCheck, Lint, Preflight
+    from ..records.cleanup import FreeReport
+    from ..records.preflight import FitCheck, Lint, Preflight
     from ..targets import Target
 
 __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
