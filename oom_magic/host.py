@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from .devices import cuda_index
+
 __all__ = ["cuda_process_cap", "disk_free", "ram_available", "ram_total", "usable_ram"]
 
 
@@ -64,7 +66,7 @@ def cuda_process_cap(device: str, torch: Any = None) -> int | None:
         get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         if get is None:
             return None
-        index = int(device.partition(":")[2] or 0)
+        index = cuda_index(device) or 0
         fraction = float(get(index))
         if fraction >= 1.0:
             return None

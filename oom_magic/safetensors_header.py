@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .dtypes import DTYPE_BITS, SAFETENSORS_DTYPES
 from .errors import OomMagicError
+from .sizes import quoted
 
 __all__ = ["read_safetensors_header", "read_safetensors_shards"]
 
@@ -35,7 +36,7 @@ def read_safetensors_shards(
         for name, dtype, shape, nbytes in read_safetensors_header(file):
             if name in owner:
                 raise OomMagicError(
-                    f"{label}: tensor {_short(name)} is also in {owner[name]}; a tensor belongs to one shard"
+                    f"{label}: tensor {quoted(name, 80)} is also in {owner[name]}; a tensor belongs to one shard"
                 )
             owner[name] = label
             stored.append((name, dtype, shape, nbytes))
@@ -47,7 +48,7 @@ def read_safetensors_shards(
                 basename = basenames[shard] = shard.replace("\\", "/").rsplit("/", 1)[-1]
             if owner.get(name) != basename:
                 raise OomMagicError(
-                    f"{index.name}: names tensor {_short(name)} in {shard}, which does not hold it; "
+                    f"{index.name}: names tensor {quoted(name, 80)} in {shard}, which does not hold it; "
                     "the index and the shards do not match"
                 )
     return stored
@@ -109,7 +110,7 @@ def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...],
             header = None  # the first parse is dropped before the second one is built
             header = json.loads(text, object_pairs_hook=_unique_keys)  # slow path names the repeat
     except _DuplicateKey as exc:
-        raise OomMagicError(f"{label}: the header names {_short(exc.key)} twice") from None
+        raise OomMagicError(f"{label}: the header names {quoted(exc.key, 80)} twice") from None
     except (ValueError, RecursionError) as exc:
         detail = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
         raise OomMagicError(f"{label}: the header is not valid JSON ({detail}); the file is damaged") from None
@@ -129,12 +130,12 @@ def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...],
     for begin, stop, name, _, _ in tensors:
         if begin < end:
             raise OomMagicError(
-                f"{label}: tensors {_short(last or '')} and {_short(name)} overlap (bytes {begin}-{end}); "
+                f"{label}: tensors {quoted(last or '', 80)} and {quoted(name, 80)} overlap (bytes {begin}-{end}); "
                 "the header is corrupt"
             )
         if begin > end:
             raise OomMagicError(
-                f"{label}: {begin - end} bytes before tensor {_short(name)} belong to no tensor; "
+                f"{label}: {begin - end} bytes before tensor {quoted(name, 80)} belong to no tensor; "
                 "safetensors refuses such files"
             )
         end, last = stop, name
@@ -165,18 +166,18 @@ def _check_entry(
     if dtype is None:
         what = _what(label, name)
         raise OomMagicError(
-            f"{what} has unknown dtype {_short(str(code))}; known: {', '.join(SAFETENSORS_DTYPES)}"
+            f"{what} has unknown dtype {quoted(str(code), 80)}; known: {', '.join(SAFETENSORS_DTYPES)}"
         )
     shape = info.get("shape")
     if type(shape) is not list:
-        raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
+        raise OomMagicError(f"{_what(label, name)} has shape {quoted(str(shape), 80)}; a shape is a list of non-negative integers")
     elements = 1
     for dim in shape:
         if type(dim) is not int or dim < 0:
-            raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}; a shape is a list of non-negative integers")
+            raise OomMagicError(f"{_what(label, name)} has shape {quoted(str(shape), 80)}; a shape is a list of non-negative integers")
         elements *= dim
         if elements > _MAX_ELEMENTS:
-            raise OomMagicError(f"{_what(label, name)} has shape {_short(str(shape))}, over 2**64 elements")
+            raise OomMagicError(f"{_what(label, name)} has shape {quoted(str(shape), 80)}, over 2**64 elements")
     offsets = info.get("data_offsets")
     if (
         type(offsets) is not list
@@ -186,7 +187,7 @@ def _check_entry(
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise OomMagicError(
-            f"{_what(label, name)} has data_offsets {_short(str(offsets))}; they must be [begin, end] with 0 <= begin <= end"
+            f"{_what(label, name)} has data_offsets {quoted(str(offsets), 80)}; they must be [begin, end] with 0 <= begin <= end"
         )
     begin, end = offsets
     bits = elements * DTYPE_BITS[dtype]
@@ -206,7 +207,7 @@ def _check_entry(
 
 def _what(label: str, name: str) -> str:
     """How an error names one header entry (built only when there is an error to report)."""
-    return f"{label}: tensor {_short(name)}"
+    return f"{label}: tensor {quoted(name, 80)}"
 
 
 def _json_kind(value: object) -> str:
@@ -235,8 +236,3 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
             raise _DuplicateKey(key)
         result[key] = value
     return result
-
-
-def _short(text: str, limit: int = 80) -> str:
-    """repr() of an outside string, cut to one short line."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
