@@ -483,7 +483,7 @@ def scan_notes(scan: dict[str, Any], before_note: str) -> list[str]:
         lines += [
             "",
             f"The naive scan costs {b['naive'] / floor:.2f}× the floor here, pytorch_memlab "
-            f"{b.get('memlab', 0) / floor:.2f}× (DESIGN.md expected 15–20×; not on this machine and Python 3.11, where "
+            f"{b.get('memlab', 0) / floor:.2f}× (docs/DESIGN.md expected 15–20×; not on this machine and Python 3.11, where "
             "the floor itself is slow because the heap is far bigger than the cache, and a Python-level test per "
             "object adds only a few times that). So \"5× faster than the naive scan\" would mean finishing in less than the "
             "floor: no scan that starts with `gc.get_objects()` can, and a snapshot also groups storages and "

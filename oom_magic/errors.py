@@ -1,4 +1,4 @@
-"""The one error type the pure core raises for bad input, and how it quotes outside strings."""
+"""The one error type the package raises for bad input, and how it quotes outside strings."""
 from __future__ import annotations
 
 

@@ -1,4 +1,4 @@
-"""The IPython magics: thin adapters from argument strings to the pure core."""
+"""The IPython magics: thin adapters from argument strings to the use cases (guard, preflight, cleanup, snapshot)."""
 from __future__ import annotations
 
 import argparse

@@ -4,7 +4,7 @@ On the cpu, ``from_pretrained`` of a safetensors file in its stored dtype leaves
 of the memory-mapped file: those bytes are not resident until read, the kernel can drop them
 again, and freeing the tensor gives no resident memory back. ``mapped_bytes`` answers, for a set
 of storages (address, size), how many of their bytes lie in file-backed mappings, from
-``/proc/self/maps`` (Linux; elsewhere None). Pure reading: no torch, no tensor kept.
+``/proc/self/maps`` (Linux; elsewhere None). It reads a file of this process only: no torch, no tensor kept.
 """
 from __future__ import annotations
 

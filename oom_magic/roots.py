@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-# IPython's own names: never user variables (DESIGN.md, holders).
+# IPython's own names: never user variables (docs/DESIGN.md, holders).
 IPYTHON_NAMES = frozenset(
     {"_", "__", "___", "_i", "_ii", "_iii", "In", "Out", "_oh", "_ih", "_dh", "exit", "quit",
      "get_ipython", "__builtin__", "__builtins__", "__name__", "__doc__", "__package__",
