@@ -15,8 +15,9 @@ import re
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
-from collections.abc import Callable
 
 __all__ = [
     "Nvml",
@@ -28,6 +29,7 @@ __all__ = [
     "normalize_pci_bus_id",
     "nvml_device_for_torch",
     "ordering_note",
+    "use",
     "visible_nvml_devices",
 ]
 
@@ -428,12 +430,30 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_nvml() -> Nvml:
-    """The process-wide Nvml over the real pynvml (created on first call, NVML started lazily)."""
+    """The process-wide Nvml: the real pynvml (created on first call, NVML started lazily), or
+    the one ``use`` put in place."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
             _DEFAULT = Nvml()
         return _DEFAULT
+
+
+@contextmanager
+def use(nvml: Nvml) -> Iterator[Nvml]:
+    """Make ``nvml`` the process-wide reader inside the block, and put the previous one back after.
+
+    The seam for callers that cannot pass an ``Nvml`` down (a magic reading the device deep
+    inside): tests give a FAKE pynvml here (``use(Nvml(fake.module))``) instead of patching.
+    """
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        previous, _DEFAULT = _DEFAULT, nvml
+    try:
+        yield nvml
+    finally:
+        with _DEFAULT_LOCK:
+            _DEFAULT = previous
 
 
 # -- which NVML device is torch's cuda:N -------------------------------------------------------

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import gc
 import subprocess
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -56,3 +56,13 @@ def ready_process(args: list[str]) -> Iterator[subprocess.Popen]:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def use_nvml() -> Iterator[Callable[[Any], Any]]:
+    """Put an Nvml (over a FAKE pynvml, tests/fakes/fake_pynvml.py) in place of this machine's for
+    one test, through ``nvml.use``; returns the installer, and the machine's comes back afterwards."""
+    from oom_magic import nvml
+
+    with ExitStack() as stack:
+        yield lambda reader: stack.enter_context(nvml.use(reader))

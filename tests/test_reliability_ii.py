@@ -25,7 +25,8 @@ torch = pytest.importorskip("torch")
 
 from oom_magic.holders import forget_paths  # noqa: E402
 from oom_magic.roots import is_user_name  # noqa: E402
-from tests.test_guard_target import GuardFakeCuda, fake_gpu  # noqa: E402,F401  (fake_gpu: the FAKE GPU fixture)
+from tests.fakes.fake_torch_cuda import FakeTorchCuda
+from tests.test_guard_target import fake_gpu  # noqa: E402,F401  (fake_gpu: the FAKE GPU fixture)
 
 GiB = 1 << 30
 
@@ -164,7 +165,7 @@ def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_h
 
 def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap) -> None:  # noqa: F811 (the imported fixture)
     """FAKE GPU: the guard's cap (--target T4 on an 80 GiB FAKE cuda:0) and an out-of-memory error."""
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)  # the user's own fraction, to be put back
     ip.user_ns.update(cuda=cuda, GiB=GiB)
     ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
@@ -201,7 +202,7 @@ def test_ctrl_c_while_the_forensics_print_puts_the_fraction_back(fake_gpu, monke
     from oom_magic import guard as guard_module
     from oom_magic import guard_load
 
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)
 
     def interrupted_print(*args: Any, **kwargs: Any) -> str:

@@ -40,7 +40,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-from oom_magic import nvml as nvml_module
 from oom_magic import oom
 from oom_magic.errors import OomMagicError
 from oom_magic.estimate import _SAFETENSORS_DTYPES, CheckpointEstimate, estimate_checkpoint
@@ -140,9 +139,9 @@ def valid_header() -> tuple[bytes, int]:
 
 
 @pytest.fixture
-def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def one_gpu(use_nvml, monkeypatch: pytest.MonkeyPatch) -> None:
     """FAKE NVML: this machine has one GPU (cuda:0), so cuda:9 is a device it does not have."""
-    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([FakeGpu()]).module))
+    use_nvml(Nvml(FakeNvml([FakeGpu()]).module))
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
 
