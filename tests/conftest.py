@@ -66,3 +66,15 @@ def use_nvml() -> Iterator[Callable[[Any], Any]]:
 
     with ExitStack() as stack:
         yield lambda reader: stack.enter_context(nvml.use(reader))
+
+
+@pytest.fixture
+def reset_high_water() -> None:
+    """Reset this process's resident high-water mark (VmHWM and ru_maxrss) to what is resident now,
+    as the guard does, so a test's peak does not depend on what earlier tests peaked at."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError as exc:
+        pytest.skip(f"the high-water mark cannot be reset here ({exc}): this cell's peak is unknowable "
+                    "below an earlier test's")
