@@ -308,7 +308,6 @@ class Nvml:
         free = _bytes(getattr(memory, "free", None))
         used = _bytes(getattr(memory, "used", None))
         reserved = _bytes(getattr(memory, "reserved", None)) if query == "v2" else None
-        read = {"memory_query": query, "reserved": reserved}
         uuid = _text(self.query("nvmlDeviceGetUUID", handle))
         name = _text(self.query("nvmlDeviceGetName", handle))
         if parent is not None:
@@ -324,7 +323,8 @@ class Nvml:
                 parent_index=parent.index,
                 gpu_instance_id=_int(self.query("nvmlDeviceGetGpuInstanceId", handle)),
                 compute_instance_id=_int(self.query("nvmlDeviceGetComputeInstanceId", handle)),
-                **read,
+                memory_query=query,
+                reserved=reserved,
             )
         pci = self.query("nvmlDeviceGetPciInfo", handle)
         bus_id = normalize_pci_bus_id(getattr(pci, "busId", None)) or normalize_pci_bus_id(
@@ -343,7 +343,8 @@ class Nvml:
             is_mig=False,
             parent_index=None,
             mig_enabled=current == _MIG_ENABLED,
-            **read,
+            memory_query=query,
+            reserved=reserved,
         )
 
     def _memory(self, handle: Any) -> tuple[Any, str | None]:
@@ -406,7 +407,8 @@ class Nvml:
                     continue
                 used = _bytes(getattr(item, "usedGpuMemory", None))
                 # A pid listed twice (compute and graphics) holds one allocation: keep the larger.
-                if pid not in by_pid or used is not None and (by_pid[pid] is None or used > by_pid[pid]):
+                held = by_pid.get(pid)
+                if pid not in by_pid or used is not None and (held is None or used > held):
                     by_pid[pid] = used
         if failures:
             self.processes_note = "NVML could not list processes (" + "; ".join(failures) + ")"
@@ -460,7 +462,9 @@ def use(nvml: Nvml) -> Iterator[Nvml]:
 
 
 def _env(value: str | None | _Env, name: str) -> str | None:
-    return os.environ.get(name) if value is _FROM_ENV else value  # type: ignore[return-value]
+    if isinstance(value, _Env):  # _FROM_ENV, the only member
+        return os.environ.get(name)
+    return value
 
 
 def _strtoul(text: str) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import gc
 import subprocess
 from contextlib import ExitStack, contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import pytest
 

@@ -77,7 +77,7 @@ def server(tmp_path_factory):
                "--ServerApp.port_retries=0", f"--ServerApp.jpserver_extensions={_NO_EXTENSIONS}"]
     if os.geteuid() == 0:
         command.append("--allow-root")
-    log = open(base / "server.log", "wb")
+    log = open(base / "server.log", "wb")  # noqa: SIM115 (the server writes it until the fixture ends; closed there)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     kernel_pids: list[int] = []
     sessions: list[str] = []

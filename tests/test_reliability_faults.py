@@ -30,7 +30,8 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -356,7 +357,7 @@ print("RESULT " + json.dumps(out))
 
 def blocked_session(tmp_path: Path, blocked: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "IPYTHONDIR": str(tmp_path), "MPLBACKEND": "Agg"}
-    done = subprocess.run([sys.executable, "-c", _BLOCKED_SESSION, blocked], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _BLOCKED_SESSION, blocked], check=False, capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))

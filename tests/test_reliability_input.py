@@ -33,7 +33,8 @@ import tracemalloc
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -484,7 +485,7 @@ def test_the_payload_really_runs_code_when_unpickled(marker_dir: Path) -> None:
     control = marker_dir / "control-marker"
     data = b"".join([op("PROTO", 2)] + payload_ops(control) + [op("STOP")])
     done = subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
-                          input=data, capture_output=True, timeout=60)
+                          input=data, check=False, capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert control.exists()
 
@@ -799,7 +800,7 @@ print("RESULT " + json.dumps(out))
 def _measure(mode: str, paths: list[Path]) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", _MEASURE_BOMBS, mode, *map(str, paths)],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          check=False, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.split("RESULT ", 1)[1])
 

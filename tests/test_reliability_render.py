@@ -23,7 +23,8 @@ import sys
 import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import psutil
 import pytest

@@ -30,8 +30,11 @@ def fake_cuda(monkeypatch):
     return FakeTorchCuda(80 * GiB, 80 * GiB).install(monkeypatch, torch)
 
 
+DEFAULT_THRESHOLDS = Thresholds()
+
+
 def run_cell(w: Watcher, count: int, ns: dict, action=None, error: BaseException | None = None,
-             thresholds: Thresholds = Thresholds()):
+             thresholds: Thresholds = DEFAULT_THRESHOLDS):
     """One cell as the hooks see it: before_cell, the cell's action, after_cell."""
     w.before_cell()
     if action is not None:

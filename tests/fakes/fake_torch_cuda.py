@@ -87,14 +87,17 @@ class FakeTorchCuda:
     ``memory_snapshot()`` returns; ``used_elsewhere``: bytes other processes hold on each device
     (``mem_get_info``'s free is what is left); ``pci``: (domain, bus, device) for device 0's
     properties; ``fail_restore``: the second ``set_per_process_memory_fraction`` on a device
-    raises, as a CUDA error would.
+    raises, as a CUDA error would; ``interrupt_first_set``: the first one takes effect, then a
+    KeyboardInterrupt lands as it returns (Ctrl-C).
     """
 
     def __init__(self, *totals: int, initialized: bool = True, has_getter: bool = True, fail_restore: bool = False,
                  peak: int = 0, fraction: float | None = None, segments: list[dict[str, Any]] | None = None,
-                 used_elsewhere: int = 0, pci: tuple[int, int, int] | None = None) -> None:
+                 used_elsewhere: int = 0, pci: tuple[int, int, int] | None = None,
+                 interrupt_first_set: bool = False) -> None:
         self._devices = [_Device(total) for total in (totals or (80 * GiB,))]
         self._fail_on_second_set = fail_restore
+        self._interrupt_next_set = interrupt_first_set
         self._has_getter = has_getter
         self._segments = list(segments or [])
         self._used_elsewhere = used_elsewhere
@@ -143,6 +146,9 @@ class FakeTorchCuda:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         dev.set_calls.append(fraction)
         dev.allowed = int(fraction * dev.total) if fraction < 1.0 else None
+        if self._interrupt_next_set:
+            self._interrupt_next_set = False
+            raise KeyboardInterrupt
 
     def get_per_process_memory_fraction(self, device: int = 0) -> float:
         dev = self._devices[device]
