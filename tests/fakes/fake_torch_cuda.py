@@ -16,8 +16,8 @@ This is a fake, for tests only. Every value it returns has the shape PyTorch 2.x
   fake as ``segments=``, since the fake does not lay out blocks);
 - ``memory._record_memory_history(enabled='all'|None, max_entries=...)`` and
   ``memory._dump_snapshot(filename)`` writing a pickle {'segments': ..., 'device_traces': [...]};
-- ``get_device_properties(device)``: ``total_memory`` and ``name`` (the ``pci_*`` fields only
-  when ``pci=`` gives them: without them the code under test falls back to CUDA_VISIBLE_DEVICES);
+- ``get_device_properties(device)``: ``total_memory`` and ``name`` (no ``pci_*`` fields: the code
+  under test then finds the NVML device from CUDA_VISIBLE_DEVICES, as when they cannot be read);
 - ``set_per_process_memory_fraction(fraction, device)`` raises TypeError unless ``fraction`` is a
   float and ValueError outside [0, 1]; below 1.0 it sets ``allowed_memory_maximum =
   size_t(fraction * totalGlobalMem)`` (C++ truncation), and 1.0 clears the cap;
@@ -39,7 +39,6 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-MiB = 1 << 20
 GiB = 1 << 30
 
 # The names of torch.cuda that ``install`` replaces on a real torch (what the package reads).
@@ -72,36 +71,26 @@ class _Props:
     name: str = "FAKE GPU"
 
 
-@dataclass(frozen=True)
-class _PciProps(_Props):
-    pci_domain_id: int = 0
-    pci_bus_id: int = 0
-    pci_device_id: int = 0
-
-
 class FakeTorchCuda:
     """A stand-in for ``torch.cuda`` with one device per total given (bytes; one 80 GiB device if none).
 
     ``initialized``: whether a CUDA context exists yet; ``peak``: device 0's allocated high-water
     mark to start from; ``fraction``: a per-process cap already set on device 0; ``segments``: what
     ``memory_snapshot()`` returns; ``used_elsewhere``: bytes other processes hold on each device
-    (``mem_get_info``'s free is what is left); ``pci``: (domain, bus, device) for device 0's
-    properties; ``fail_restore``: the second ``set_per_process_memory_fraction`` on a device
+    (``mem_get_info``'s free is what is left); ``fail_restore``: the second ``set_per_process_memory_fraction`` on a device
     raises, as a CUDA error would; ``interrupt_first_set``: the first one takes effect, then a
     KeyboardInterrupt lands as it returns (Ctrl-C).
     """
 
     def __init__(self, *totals: int, initialized: bool = True, has_getter: bool = True, fail_restore: bool = False,
                  peak: int = 0, fraction: float | None = None, segments: list[dict[str, Any]] | None = None,
-                 used_elsewhere: int = 0, pci: tuple[int, int, int] | None = None,
-                 interrupt_first_set: bool = False) -> None:
+                 used_elsewhere: int = 0, interrupt_first_set: bool = False) -> None:
         self._devices = [_Device(total) for total in (totals or (80 * GiB,))]
         self._fail_on_second_set = fail_restore
         self._interrupt_next_set = interrupt_first_set
         self._has_getter = has_getter
         self._segments = list(segments or [])
         self._used_elsewhere = used_elsewhere
-        self._pci = pci
         self.initialized = initialized
         self.current = 0
         self.inits = 0
@@ -155,8 +144,7 @@ class FakeTorchCuda:
         return 1.0 if dev.allowed is None else dev.allowed / dev.total
 
     def get_device_properties(self, device: int = 0) -> _Props:
-        total = self._devices[device].total
-        return _Props(total) if self._pci is None or device != 0 else _PciProps(total, "FAKE GPU", *self._pci)
+        return _Props(self._devices[device].total)
 
     def get_device_name(self, device: int = 0) -> str:
         return self.get_device_properties(device).name
