@@ -188,7 +188,7 @@ def _read_cpu() -> DeviceReading:
 def _read_mps() -> DeviceReading:
     import psutil
 
-    torch = loaded_torch()
+    torch: Any = loaded_torch()  # None without torch: the calls below fail into the note
     notes: list[str] = []
     allocated = driver = total = None
     try:
@@ -207,7 +207,7 @@ def _read_mps() -> DeviceReading:
 
 
 def _read_cuda(index: int, nvml: Nvml) -> DeviceReading:
-    torch = loaded_torch()
+    torch: Any = loaded_torch()  # used only when CUDA is initialized, so never None there
     notes: list[str] = []
     initialized = cuda_initialized()
     allocated = reserved = peak = None

@@ -15,8 +15,9 @@ import re
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
-from collections.abc import Callable
 
 __all__ = [
     "Nvml",
@@ -28,6 +29,7 @@ __all__ = [
     "normalize_pci_bus_id",
     "nvml_device_for_torch",
     "ordering_note",
+    "use",
     "visible_nvml_devices",
 ]
 
@@ -306,7 +308,6 @@ class Nvml:
         free = _bytes(getattr(memory, "free", None))
         used = _bytes(getattr(memory, "used", None))
         reserved = _bytes(getattr(memory, "reserved", None)) if query == "v2" else None
-        read = {"memory_query": query, "reserved": reserved}
         uuid = _text(self.query("nvmlDeviceGetUUID", handle))
         name = _text(self.query("nvmlDeviceGetName", handle))
         if parent is not None:
@@ -322,7 +323,8 @@ class Nvml:
                 parent_index=parent.index,
                 gpu_instance_id=_int(self.query("nvmlDeviceGetGpuInstanceId", handle)),
                 compute_instance_id=_int(self.query("nvmlDeviceGetComputeInstanceId", handle)),
-                **read,
+                memory_query=query,
+                reserved=reserved,
             )
         pci = self.query("nvmlDeviceGetPciInfo", handle)
         bus_id = normalize_pci_bus_id(getattr(pci, "busId", None)) or normalize_pci_bus_id(
@@ -341,7 +343,8 @@ class Nvml:
             is_mig=False,
             parent_index=None,
             mig_enabled=current == _MIG_ENABLED,
-            **read,
+            memory_query=query,
+            reserved=reserved,
         )
 
     def _memory(self, handle: Any) -> tuple[Any, str | None]:
@@ -404,7 +407,8 @@ class Nvml:
                     continue
                 used = _bytes(getattr(item, "usedGpuMemory", None))
                 # A pid listed twice (compute and graphics) holds one allocation: keep the larger.
-                if pid not in by_pid or used is not None and (by_pid[pid] is None or used > by_pid[pid]):
+                held = by_pid.get(pid)
+                if pid not in by_pid or used is not None and (held is None or used > held):
                     by_pid[pid] = used
         if failures:
             self.processes_note = "NVML could not list processes (" + "; ".join(failures) + ")"
@@ -428,7 +432,8 @@ _DEFAULT_LOCK = threading.Lock()
 
 
 def default_nvml() -> Nvml:
-    """The process-wide Nvml over the real pynvml (created on first call, NVML started lazily)."""
+    """The process-wide Nvml: the real pynvml (created on first call, NVML started lazily), or
+    the one ``use`` put in place."""
     global _DEFAULT
     with _DEFAULT_LOCK:
         if _DEFAULT is None:
@@ -436,11 +441,30 @@ def default_nvml() -> Nvml:
         return _DEFAULT
 
 
+@contextmanager
+def use(nvml: Nvml) -> Iterator[Nvml]:
+    """Make ``nvml`` the process-wide reader inside the block, and put the previous one back after.
+
+    The seam for callers that cannot pass an ``Nvml`` down (a magic reading the device deep
+    inside): tests give a FAKE pynvml here (``use(Nvml(fake.module))``) instead of patching.
+    """
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        previous, _DEFAULT = _DEFAULT, nvml
+    try:
+        yield nvml
+    finally:
+        with _DEFAULT_LOCK:
+            _DEFAULT = previous
+
+
 # -- which NVML device is torch's cuda:N -------------------------------------------------------
 
 
 def _env(value: str | None | _Env, name: str) -> str | None:
-    return os.environ.get(name) if value is _FROM_ENV else value  # type: ignore[return-value]
+    if isinstance(value, _Env):  # _FROM_ENV, the only member
+        return os.environ.get(name)
+    return value
 
 
 def _strtoul(text: str) -> int:

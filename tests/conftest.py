@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import gc
 import subprocess
-from contextlib import contextmanager
-from typing import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -56,3 +57,25 @@ def ready_process(args: list[str]) -> Iterator[subprocess.Popen]:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def use_nvml() -> Iterator[Callable[[Any], Any]]:
+    """Put an Nvml (over a FAKE pynvml, tests/fakes/fake_pynvml.py) in place of this machine's for
+    one test, through ``nvml.use``; returns the installer, and the machine's comes back afterwards."""
+    from oom_magic import nvml
+
+    with ExitStack() as stack:
+        yield lambda reader: stack.enter_context(nvml.use(reader))
+
+
+@pytest.fixture
+def reset_high_water() -> None:
+    """Reset this process's resident high-water mark (VmHWM and ru_maxrss) to what is resident now,
+    as the guard does, so a test's peak does not depend on what earlier tests peaked at."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError as exc:
+        pytest.skip(f"the high-water mark cannot be reset here ({exc}): this cell's peak is unknowable "
+                    "below an earlier test's")

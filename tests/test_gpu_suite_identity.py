@@ -7,11 +7,10 @@ CUDA_VISIBLE_DEVICES remapped, NVML index 0 or the parent GPU's PCI handle is th
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
-
 import pytest
 
 from tests.fakes.fake_pynvml import FakeGpu, FakeMig, FakeNvml
+from tests.fakes.fake_torch_cuda import FakeTorch, FakeTorchCuda
 from tests.gpu import support
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -33,7 +32,7 @@ def cluster(monkeypatch):
     return fake
 
 
-NO_CONTEXT = SimpleNamespace(cuda=SimpleNamespace(is_initialized=lambda: False))
+NO_CONTEXT = FakeTorch(FakeTorchCuda(initialized=False))  # FAKE torch.cuda before any context
 
 
 def test_a_mig_instance_is_read_by_its_own_handle(cluster, monkeypatch):

@@ -4,7 +4,7 @@ A CPU allocation of 1 PiB fails for real ("DefaultCPUAllocator: can't allocate m
 load that fits after the give-back, the address-space limit (RLIMIT_AS, what ``ulimit -v`` sets)
 is lowered for a moment so that a 384 MiB allocation really fails while a stale 512 MiB is held,
 and really succeeds once it is freed. CUDA-only pieces are checked against a fake torch.cuda
-surface (FakeCuda below), since the test machines have no GPU.
+surface (tests/fakes/fake_torch_cuda.py), since the test machines have no GPU.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from oom_magic.allocator import (allocator_setting, apply_allocator_setting, cud
 from oom_magic.preflight import cuda_process_cap
 from oom_magic.render.guard import guard_report_html
 from oom_magic.render.units import format_bytes
+from tests.fakes.fake_torch_cuda import FakeTorch, FakeTorchCuda
 
 MiB = 2**20
 PIB = 1 << 50
@@ -399,85 +400,28 @@ def test_a_just_set_allocator_variable_reaches_an_already_imported_torch():
 # --------------------------------------------------------------------------- CUDA pieces, on a fake
 
 
-class FakeCuda:
-    """FAKE torch.cuda surface for the CUDA-only code paths (no GPU on the test machines).
-
-    Value shapes copied from torch 2.x: ``memory_snapshot()`` returns segment dicts with
-    'device', 'address', 'total_size', 'allocated_size', 'active_size', 'segment_type' and
-    'blocks' of {'address', 'size', 'requested_size', 'state'} where state is 'active_allocated',
-    'active_pending_free' or 'inactive'; ``memory_stats()`` keys like 'allocated_bytes.all.peak';
-    ``memory._record_memory_history(enabled='all'|None, max_entries=...)`` and
-    ``memory._dump_snapshot(filename)`` writing a pickle.
-    """
-
-    def __init__(self, initialized: bool = True, peak: int = 0, fraction: float = 1.0) -> None:
-        self.initialized = initialized
-        self.peak = peak
-        self.fraction = fraction
-        self.calls: list[tuple[str, tuple]] = []
-        fake = self
-
-        class Memory:
-            @staticmethod
-            def _record_memory_history(enabled: str | None = "all", **kwargs: Any) -> None:
-                fake.calls.append(("record", (enabled, kwargs.get("max_entries"))))
-
-            @staticmethod
-            def _dump_snapshot(filename: str = "dump_snapshot.pickle") -> None:
-                fake.calls.append(("dump", (filename,)))
-                with open(filename, "wb") as handle:
-                    pickle.dump({"segments": fake.memory_snapshot(), "device_traces": []}, handle)
-
-        self.memory = Memory
-
-    def is_initialized(self) -> bool:
-        return self.initialized
-
-    def init(self) -> None:
-        self.calls.append(("init", ()))
-        self.initialized = True
-
-    def get_per_process_memory_fraction(self, device: int | None = None) -> float:
-        return self.fraction
-
-    def get_device_properties(self, device: int | None = None) -> Any:
-        from types import SimpleNamespace
-
-        return SimpleNamespace(total_memory=80 * 2**30, name="FAKE GPU")
-
-    def reset_peak_memory_stats(self, device: int | None = None) -> None:
-        self.calls.append(("reset", (device,)))
-
-    def max_memory_allocated(self, device: int | None = None) -> int:
-        return self.peak
-
-    def memory_stats(self, device: int | None = None) -> dict[str, int]:
-        return {"allocated_bytes.all.current": 6 * MiB, "allocated_bytes.all.peak": self.peak,
-                "reserved_bytes.all.current": 40 * MiB, "inactive_split_bytes.all.current": 2 * MiB, "num_ooms": 1}
-
-    def memory_snapshot(self) -> list[dict[str, Any]]:
-        def block(size: int, state: str) -> dict[str, Any]:
-            return {"address": 0, "size": size, "requested_size": size, "state": state, "frames": []}
-
-        return [
-            {"device": 0, "address": 1 << 30, "total_size": 20 * MiB, "allocated_size": 6 * MiB, "active_size": 6 * MiB,
-             "segment_type": "large", "blocks": [block(6 * MiB, "active_allocated"), block(14 * MiB, "inactive")]},
-            {"device": 0, "address": 2 << 30, "total_size": 20 * MiB, "allocated_size": 0, "active_size": 0,
-             "segment_type": "large", "blocks": [block(20 * MiB, "active_pending_free")]},
-            {"device": 1, "address": 3 << 30, "total_size": 64 * MiB, "allocated_size": 0, "active_size": 0,
-             "segment_type": "large", "blocks": [block(64 * MiB, "inactive")]},
-        ]
+def _block(size: int, state: str) -> dict[str, Any]:
+    return {"address": 0, "size": size, "requested_size": size, "state": state, "frames": []}
 
 
-class FakeTorch:
-    """FAKE torch module exposing only ``cuda`` (see FakeCuda)."""
+# torch.cuda.memory_snapshot()'s shape (torch 2.x), for the FAKE torch.cuda below.
+SEGMENTS = [
+    {"device": 0, "address": 1 << 30, "total_size": 20 * MiB, "allocated_size": 6 * MiB, "active_size": 6 * MiB,
+     "segment_type": "large", "blocks": [_block(6 * MiB, "active_allocated"), _block(14 * MiB, "inactive")]},
+    {"device": 0, "address": 2 << 30, "total_size": 20 * MiB, "allocated_size": 0, "active_size": 0,
+     "segment_type": "large", "blocks": [_block(20 * MiB, "active_pending_free")]},
+    {"device": 1, "address": 3 << 30, "total_size": 64 * MiB, "allocated_size": 0, "active_size": 0,
+     "segment_type": "large", "blocks": [_block(64 * MiB, "inactive")]},
+]
 
-    def __init__(self, cuda: FakeCuda) -> None:
-        self.cuda = cuda
+
+def fake_cuda(initialized: bool = True, peak: int = 0, fraction: float = 1.0) -> FakeTorchCuda:
+    """The FAKE torch.cuda (tests/fakes) as these tests use it: one 80 GiB device, SEGMENTS in its snapshot."""
+    return FakeTorchCuda(80 * 2**30, initialized=initialized, peak=peak, fraction=fraction, segments=SEGMENTS)
 
 
 def test_largest_free_block_reads_inactive_blocks_of_one_device():
-    segments = FakeCuda().memory_snapshot()
+    segments = fake_cuda().memory_snapshot()
     assert largest_free_block(segments, 0) == 14 * MiB  # pending-free and active blocks are not free
     assert largest_free_block(segments, 1) == 64 * MiB
     assert largest_free_block([], 0) is None
@@ -485,25 +429,26 @@ def test_largest_free_block_reads_inactive_blocks_of_one_device():
 
 def test_cuda_peak_is_read_without_resetting_the_users_counter():
     # issue 14 point 6: reset_peak_memory_stats() would clobber the user's max_memory_allocated().
-    ready = FakeCuda(initialized=True, peak=30 * MiB)
+    ready = fake_cuda(initialized=True, peak=30 * MiB)
     mark = cuda_peak_start(FakeTorch(ready), 0)
     assert mark == 30 * MiB and ready.calls == []  # read, never reset
-    ready.peak = 45 * MiB  # the cell pushed the mark up
+    ready.hold(45 * MiB)  # the cell pushed the mark up
     peak = cuda_peak_read(FakeTorch(ready), 0, True, 10 * MiB, mark, 20 * MiB)
     assert (peak.bytes, peak.above_start, peak.measure) == (45 * MiB, 35 * MiB, "allocated")
     assert "never reset" in peak.note and ready.calls == []
     under = cuda_peak_read(FakeTorch(ready), 0, True, 10 * MiB, 45 * MiB, 20 * MiB)
     assert under.bytes is None and "earlier allocator peak" in under.note  # unknown, said so
-    cold = FakeCuda(initialized=False)
+    cold = fake_cuda(initialized=False)
     assert cuda_peak_start(FakeTorch(cold), 0) is None and cold.calls == []  # no context is created
     assert cuda_peak_read(FakeTorch(cold), 0, False, 0).bytes is None
-    cold.initialized, cold.peak = True, 12 * MiB  # CUDA initialized inside the cell
+    cold.init()  # CUDA initialized inside the cell
+    cold.hold(12 * MiB)
     during = cuda_peak_read(FakeTorch(cold), 0, was_initialized=False, allocated_before=0)
     assert (during.bytes, during.above_start) == (12 * MiB, 12 * MiB) and "since CUDA initialized" in during.note
 
 
 def test_allocator_history_start_dump_stop(tmp_path):
-    cuda = FakeCuda()
+    cuda = fake_cuda()
     fake = FakeTorch(cuda)
     assert start_history(fake) is None
     written = dump_history(fake, tmp_path)  # a folder: a timestamped file inside it
@@ -513,16 +458,16 @@ def test_allocator_history_start_dump_stop(tmp_path):
     stop_history(fake)
     assert [c[0] for c in cuda.calls] == ["record", "dump", "record"]
     assert cuda.calls[0][1] == ("all", 100_000) and cuda.calls[2][1][0] is None
-    cold = FakeCuda(initialized=False)
+    cold = fake_cuda(initialized=False)
     assert start_history(FakeTorch(cold)) is None
     assert [c[0] for c in cold.calls] == ["init", "record"]  # recording needs the allocator set up
 
 
 def test_the_per_process_memory_fraction_caps_what_this_process_may_use():
-    assert cuda_process_cap("cuda:0", FakeTorch(FakeCuda(fraction=0.025))) == int(80 * 2**30 * 0.025)
-    assert cuda_process_cap("cuda:0", FakeTorch(FakeCuda(fraction=1.0))) is None  # no cap
-    assert cuda_process_cap("cuda:0", FakeTorch(FakeCuda(initialized=False, fraction=0.5))) is None  # no context made
-    assert cuda_process_cap("cpu", FakeTorch(FakeCuda(fraction=0.5))) is None
+    assert cuda_process_cap("cuda:0", FakeTorch(fake_cuda(fraction=0.025))) == int(80 * 2**30 * 0.025)
+    assert cuda_process_cap("cuda:0", FakeTorch(fake_cuda(fraction=1.0))) is None  # no cap
+    assert cuda_process_cap("cuda:0", FakeTorch(fake_cuda(initialized=False, fraction=0.5))) is None  # no context made
+    assert cuda_process_cap("cpu", FakeTorch(fake_cuda(fraction=0.5))) is None
 
 
 

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import time
-import types
 from collections import namedtuple
 from pathlib import Path
 from typing import Any, Iterator
@@ -28,7 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import oom_magic.guard as guard_module
 import oom_magic.jupyter_kernels as jupyter_kernels_module
-from oom_magic import guard_load, nvml as nvml_module
+from oom_magic import guard_load
 from oom_magic.errors import OomMagicError
 from oom_magic.estimate import estimate_checkpoint
 from oom_magic.jupyter_kernels import KernelInfo
@@ -41,7 +40,7 @@ from oom_magic.render.units import format_bytes
 from oom_magic.targets import memory_fraction_for, parse_target
 from tests.conftest import ready_process
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
-from tests.fakes.fake_torch_cuda import FakeOutOfMemoryError, FakeTorchCuda
+from tests.fakes.fake_torch_cuda import FakeOutOfMemoryError, FakeTorch, FakeTorchCuda
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -271,54 +270,15 @@ def test_offload_advice_on_this_machine_too(llama, tmp_path, monkeypatch):
 # --------------------------------------------------------------------------- the cap, on a FAKE torch.cuda
 
 
-class GuardFakeCuda(FakeTorchCuda):
-    """FAKE torch.cuda: FakeTorchCuda's fraction and allocator model plus the calls the guard makes around a cell."""
-
-    def __init__(self, *totals: int, initialized: bool = True, **kwargs: Any) -> None:
-        super().__init__(*totals, **kwargs)
-        self.initialized = initialized
-        self.inits = 0
-
-    def is_initialized(self) -> bool:
-        return self.initialized
-
-    def init(self) -> None:
-        self.inits += 1
-        self.initialized = True
-
-    def reset_peak_memory_stats(self, device: int = 0) -> None:
-        pass
-
-    def max_memory_allocated(self, device: int = 0) -> int:
-        return self.memory_allocated(device)
-
-    def empty_cache(self) -> None:
-        pass
-
-    def memory_snapshot(self) -> list:
-        return []
-
-
-class FakeCudaTorch(types.ModuleType):
-    """FAKE torch: the real torch module with its ``cuda`` replaced by a GuardFakeCuda (no GPU here)."""
-
-    def __init__(self, cuda: GuardFakeCuda) -> None:
-        super().__init__("torch")
-        self.cuda = cuda
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
 @pytest.fixture
-def fake_gpu(monkeypatch) -> Iterator[Any]:
+def fake_gpu(use_nvml, monkeypatch) -> Iterator[Any]:
     """FAKE NVML with one 80 GiB GPU (cuda:0), and the guard's torch with a FAKE cuda; returns an installer."""
-    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([FakeGpu(total=80 * GiB)]).module))
+    use_nvml(Nvml(FakeNvml([FakeGpu(total=80 * GiB)]).module))
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)
 
-    def install(cuda: GuardFakeCuda) -> GuardFakeCuda:
-        monkeypatch.setattr(guard_module, "loaded_torch", lambda: FakeCudaTorch(cuda))
+    def install(cuda: FakeTorchCuda) -> FakeTorchCuda:
+        monkeypatch.setattr(guard_module, "loaded_torch", lambda: FakeTorch(cuda, torch))
         return cuda
 
     yield install
@@ -329,7 +289,7 @@ def _guard(**kwargs: Any):
 
 
 def test_the_cell_runs_capped_as_the_target_and_the_fraction_comes_back(fake_gpu, capsys):
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.allocate(2 * GiB)  # what this process already holds
     fraction = memory_fraction_for(T4.usable, 80 * GiB, 2 * GiB)
     seen: list[float] = []
@@ -352,7 +312,7 @@ def test_the_cell_runs_capped_as_the_target_and_the_fraction_comes_back(fake_gpu
 
 
 def test_a_load_the_target_cannot_hold_runs_out_here_and_the_fraction_comes_back(fake_gpu, capsys):
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)  # the user's own cap, to be put back
     with pytest.raises(FakeOutOfMemoryError) as info:
         with _guard():
@@ -373,7 +333,7 @@ def test_a_load_the_target_cannot_hold_runs_out_here_and_the_fraction_comes_back
 
 
 def test_keyboard_interrupt_in_the_cell_puts_the_fraction_back(fake_gpu):
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.5, 0)
     guard = _guard(quiet=True)
     with pytest.raises(KeyboardInterrupt):
@@ -395,7 +355,7 @@ def test_keyboard_interrupt_in_the_cell_puts_the_fraction_back(fake_gpu):
 
 
 def test_leaving_the_retry_loop_early_puts_the_fraction_back(fake_gpu):
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     guard = _guard(retry=1, quiet=True)
     during: list[float] = []
     for attempt in guard:
@@ -407,7 +367,7 @@ def test_leaving_the_retry_loop_early_puts_the_fraction_back(fake_gpu):
 
 
 def test_the_magic_runs_the_cell_capped(fake_gpu, ip, capsys):
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     ip.user_ns["cuda"] = cuda
     with pytest.raises(FakeOutOfMemoryError) as info:
         ip.run_cell_magic("guardload", "--device cuda:0 --target T4 --no-expandable", "cuda.allocate(15 * 2**30)\n")
@@ -419,7 +379,7 @@ def test_the_magic_runs_the_cell_capped(fake_gpu, ip, capsys):
 
 
 def test_no_cap_when_this_device_is_not_larger_than_the_target(fake_gpu, capsys):
-    cuda = fake_gpu(GuardFakeCuda(16 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(16 * GiB))
     cuda.allocate(2 * GiB)
     with _guard() as guard:
         pass
@@ -430,12 +390,12 @@ def test_no_cap_when_this_device_is_not_larger_than_the_target(fake_gpu, capsys)
 
 
 def test_cuda_is_initialized_for_the_cap_only_for_a_load_known_to_go_there(fake_gpu, monkeypatch, capsys):
-    named = fake_gpu(GuardFakeCuda(80 * GiB, initialized=False))
+    named = fake_gpu(FakeTorchCuda(80 * GiB, initialized=False))
     with _guard(quiet=True) as guard:  # device="cuda:0" named: the load goes there
         pass
     assert named.inits == 1 and guard.report.rehearsal.restored is True and len(named.set_calls()) == 2
 
-    cold = fake_gpu(GuardFakeCuda(80 * GiB, initialized=False))
+    cold = fake_gpu(FakeTorchCuda(80 * GiB, initialized=False))
     # The machine's default device is cuda:0 (as where CUDA is visible); nothing says the block uses it.
     monkeypatch.setattr(guard_module, "default_device", lambda nvml=None: "cuda:0")
     with guard_load(target="T4", namespace={}, expandable_segments=False, quiet=True) as guard:
@@ -447,7 +407,7 @@ def test_cuda_is_initialized_for_the_cap_only_for_a_load_known_to_go_there(fake_
 
 
 def test_a_failed_restore_is_a_note_not_an_error(fake_gpu):
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB, fail_restore=True))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB, fail_restore=True))
     with _guard(quiet=True) as guard:
         cuda.allocate(1 * GiB)
     rehearsal = guard.report.rehearsal
@@ -484,13 +444,13 @@ def other_users_process() -> Iterator[subprocess.Popen | None]:
         proc.wait()
 
 
-def test_the_process_table_names_a_kernels_notebook_and_how_to_stop_it(ip, monkeypatch, kernel_like_process,
+def test_the_process_table_names_a_kernels_notebook_and_how_to_stop_it(use_nvml, ip, monkeypatch, kernel_like_process,
                                                                         other_users_process):
     kernel = kernel_like_process.pid
     procs = [(kernel, 3 * GiB), (os.getpid(), 1 * GiB)]
     if other_users_process is not None:
         procs.append((other_users_process.pid, 2 * GiB))
-    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([FakeGpu(used=6 * GiB, processes=procs)]).module))
+    use_nvml(Nvml(FakeNvml([FakeGpu(used=6 * GiB, processes=procs)]).module))
     asked: list[list[int]] = []
     path = "<img src=x onerror=alert(1)>.ipynb"
     hint = f"Kernel → Shut Down Kernel in {path} (Jupyter at http://localhost:8888/), or `kill {kernel}`"
@@ -516,10 +476,9 @@ def test_the_process_table_names_a_kernels_notebook_and_how_to_stop_it(ip, monke
                                "2.00", "GiB"]
 
 
-def test_an_unreachable_server_leaves_the_pid_only(ip, monkeypatch, kernel_like_process):
+def test_an_unreachable_server_leaves_the_pid_only(use_nvml, ip, monkeypatch, kernel_like_process):
     kernel = kernel_like_process.pid
-    monkeypatch.setattr(nvml_module, "_DEFAULT",
-                        Nvml(FakeNvml([FakeGpu(used=3 * GiB, processes=[(kernel, 3 * GiB)])]).module))
+    use_nvml(Nvml(FakeNvml([FakeGpu(used=3 * GiB, processes=[(kernel, 3 * GiB)])]).module))
     monkeypatch.setattr(jupyter_kernels_module, "find_jupyter_kernels", lambda pids, **kw: {})  # nothing answered
     ip.run_cell("import torch", store_history=True)
     snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
@@ -529,9 +488,8 @@ def test_an_unreachable_server_leaves_the_pid_only(ip, monkeypatch, kernel_like_
     assert "how to stop it" not in html and "<td style='text-align:left'>yes</td>" in html
 
 
-def test_no_other_process_asks_no_server(ip, monkeypatch):
-    monkeypatch.setattr(nvml_module, "_DEFAULT",
-                        Nvml(FakeNvml([FakeGpu(used=1 * GiB, processes=[(os.getpid(), 1 * GiB)])]).module))
+def test_no_other_process_asks_no_server(use_nvml, ip, monkeypatch):
+    use_nvml(Nvml(FakeNvml([FakeGpu(used=1 * GiB, processes=[(os.getpid(), 1 * GiB)])]).module))
     asked: list[Any] = []
     monkeypatch.setattr(jupyter_kernels_module, "find_jupyter_kernels", lambda pids, **kw: asked.append(pids) or {})
     ip.run_cell("import torch", store_history=True)

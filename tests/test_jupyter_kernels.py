@@ -77,7 +77,7 @@ def server(tmp_path_factory):
                "--ServerApp.port_retries=0", f"--ServerApp.jpserver_extensions={_NO_EXTENSIONS}"]
     if os.geteuid() == 0:
         command.append("--allow-root")
-    log = open(base / "server.log", "wb")
+    log = open(base / "server.log", "wb")  # noqa: SIM115 (the server writes it until the fixture ends; closed there)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root)
     kernel_pids: list[int] = []
     sessions: list[str] = []
@@ -304,9 +304,8 @@ def test_only_loopback_is_contacted(info, host):
 
 # -- %gpumem's process table, against the real server ---------------------------------------------
 
-def test_gpumem_names_the_notebook_of_another_kernel_on_the_gpu(server, ip, monkeypatch):
+def test_gpumem_names_the_notebook_of_another_kernel_on_the_gpu(use_nvml, server, ip, monkeypatch):
     """FAKE NVML (no GPU here) lists two real kernels of the real server beside this process."""
-    from oom_magic import nvml as nvml_module
     from oom_magic.nvml import Nvml
     from oom_magic.render.html import snapshot_html
     from oom_magic.render.text import snapshot_text
@@ -314,7 +313,7 @@ def test_gpumem_names_the_notebook_of_another_kernel_on_the_gpu(server, ip, monk
 
     a, bare = server.pids["a"], server.pids["bare"]
     gpu = FakeGpu(used=6 * GiB, processes=[(a, 3 * GiB), (bare, 2 * GiB), (os.getpid(), 1 * GiB)])
-    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))
+    use_nvml(Nvml(FakeNvml([gpu]).module))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(server.runtime))
     ip.run_cell("import torch", store_history=True)
     snap = ip.run_line_magic("gpumem", "-o --device cuda:0")

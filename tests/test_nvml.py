@@ -477,3 +477,17 @@ def test_memory_falls_back_to_v1_on_an_old_driver_and_says_so() -> None:
     assert device.memory_query == "v1" and device.reserved is None
     assert device.used == 30 * GiB + 512 * MiB  # v1: reserved counts as used
     assert nvml.errors == {}  # an old driver is an answer, not a failure
+
+
+def test_use_puts_a_reader_in_place_for_the_block_and_the_previous_one_back() -> None:
+    from oom_magic import nvml as nvml_module
+
+    machine = nvml_module.default_nvml()  # this machine's (NVML not started until asked)
+    one, two = Nvml(FakeNvml([FakeGpu()]).module), Nvml(FakeNvml([FakeGpu(), FakeGpu()]).module)
+    with nvml_module.use(one) as used:
+        assert used is one and nvml_module.default_nvml() is one
+        with pytest.raises(RuntimeError), nvml_module.use(two):
+            assert len(nvml_module.default_nvml().devices()) == 2
+            raise RuntimeError("a failing block still puts the previous reader back")
+        assert nvml_module.default_nvml() is one
+    assert nvml_module.default_nvml() is machine

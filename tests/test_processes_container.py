@@ -1,7 +1,8 @@
 """issue 14 point 1: in a container NVML and PyTorch list this kernel under its *host* pid.
 
 NVML is a FAKE (tests/fakes/fake_pynvml.py, real nvidia-ml-py shapes); the CUDA allocator figures
-are FAKE too (no GPU here): torch.cuda.is_initialized/memory_* are patched to a 20 GiB reserve.
+are FAKE too (no GPU here): the FAKE torch.cuda (tests/fakes/fake_torch_cuda.py) is put on torch,
+holding a 20 GiB reserve.
 The other process is real (a sleeping python), so it exists in our pid namespace.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from oom_magic.oom import parse_oom_message
 from oom_magic.processes import recognise_self
 from oom_magic.render.guard import cause_text
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+from tests.fakes.fake_torch_cuda import FakeTorchCuda
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -47,12 +49,8 @@ def other_process():
 @pytest.fixture
 def cuda_holding_20gib(monkeypatch):
     """FAKE allocator figures: CUDA initialised here, 19.5 GiB allocated, 20 GiB reserved."""
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i=0: 19 * GiB + 512 * MiB)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=0: 20 * GiB)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda i=0: 19 * GiB + 512 * MiB)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: (_ for _ in ()).throw(RuntimeError("fake")))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cuda = FakeTorchCuda(80 * GiB).install(monkeypatch, torch)  # no pci ids: NVML is matched by index
+    cuda.hold(19 * GiB + 512 * MiB, reserved=20 * GiB)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
@@ -105,16 +103,8 @@ def test_an_unverifiable_pid_gets_no_kill_advice():
 def test_mem_get_info_only_on_a_device_whose_context_exists(monkeypatch):
     # issue 14 point 6 (FAKE CUDA: no GPU here): CUDA initialized on cuda:0 only; without NVML the
     # reading of cuda:1 must not call mem_get_info(1), which would create a context there.
-    calls: list[int] = []
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    for name in ("memory_allocated", "memory_reserved", "max_memory_allocated"):
-        monkeypatch.setattr(torch.cuda, name, lambda i=0: 0)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: (_ for _ in ()).throw(RuntimeError("fake")))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "FAKE GPU")
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: calls.append(i) or (10 * GiB, 80 * GiB))
-    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: i == 0, raising=False)
+    cuda = FakeTorchCuda(80 * GiB, 80 * GiB, used_elsewhere=70 * GiB).install(monkeypatch, torch)  # context on cuda:0
     no_nvml = Nvml(module=FakeNvml([], init_error=12).module)
     assert read_device("cuda:0", no_nvml).free == 10 * GiB
     cold = read_device("cuda:1", no_nvml)
-    assert calls == [0] and cold.free is None and any("no CUDA context on cuda:1" in n for n in cold.notes)
+    assert cuda.calls_to("mem_get_info") == [(0,)] and cold.free is None and any("no CUDA context on cuda:1" in n for n in cold.notes)

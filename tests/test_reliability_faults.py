@@ -30,14 +30,14 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
-from oom_magic import nvml as nvml_module
 from oom_magic.devices import read_device, resolve_device
 from oom_magic.errors import OomMagicError
 from oom_magic.nvml import Nvml
@@ -270,9 +270,9 @@ def clean_alloc_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("broken", sorted(WHOLE))
-def test_every_magic_and_the_hook_complete_when_nvml_fails(ip, monkeypatch, clean_alloc_env, broken: str) -> None:
+def test_every_magic_and_the_hook_complete_when_nvml_fails(use_nvml, ip, monkeypatch, clean_alloc_env, broken: str) -> None:
     fake = WHOLE[broken]()
-    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(fake.module))
+    use_nvml(Nvml(fake.module))
     run(ip, "import torch")
     ip.run_line_magic("gpumem", "-o --auto always")
 
@@ -357,7 +357,7 @@ print("RESULT " + json.dumps(out))
 
 def blocked_session(tmp_path: Path, blocked: str) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "IPYTHONDIR": str(tmp_path), "MPLBACKEND": "Agg"}
-    done = subprocess.run([sys.executable, "-c", _BLOCKED_SESSION, blocked], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _BLOCKED_SESSION, blocked], check=False, capture_output=True, text=True,
                           cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))
@@ -401,7 +401,7 @@ def test_without_ipywidgets_the_hook_shows_a_static_view_and_says_so(without_ipy
 # --------------------------------------------------------------------------- psutil
 
 
-def test_psutil_access_denied_and_vanished_processes(ip, monkeypatch) -> None:
+def test_psutil_access_denied_and_vanished_processes(use_nvml, ip, monkeypatch) -> None:
     import psutil
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -432,7 +432,7 @@ def test_psutil_access_denied_and_vanished_processes(ip, monkeypatch) -> None:
         monkeypatch.setattr(psutil, "virtual_memory", virtual_memory)
         gpu = FakeGpu(used=10 * GiB, processes=[(os.getpid(), GiB), (gone.pid, 2 * GiB),
                                                 (zombie_pid, 3 * GiB), (sleeper.pid, 4 * GiB)])
-        monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))
+        use_nvml(Nvml(FakeNvml([gpu]).module))
         run(ip, "import torch\nt = torch.ones(1000)")
 
         snap = ip.run_line_magic("gpumem", "-o --device cuda:0")

@@ -17,7 +17,8 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 
@@ -25,7 +26,8 @@ torch = pytest.importorskip("torch")
 
 from oom_magic.holders import forget_paths  # noqa: E402
 from oom_magic.roots import is_user_name  # noqa: E402
-from tests.test_guard_target import GuardFakeCuda, fake_gpu  # noqa: E402,F401  (fake_gpu: the FAKE GPU fixture)
+from tests.fakes.fake_torch_cuda import FakeTorchCuda
+from tests.test_guard_target import fake_gpu  # noqa: E402,F401  (fake_gpu: the FAKE GPU fixture)
 
 GiB = 1 << 30
 
@@ -164,7 +166,7 @@ def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_h
 
 def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap) -> None:  # noqa: F811 (the imported fixture)
     """FAKE GPU: the guard's cap (--target T4 on an 80 GiB FAKE cuda:0) and an out-of-memory error."""
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)  # the user's own fraction, to be put back
     ip.user_ns.update(cuda=cuda, GiB=GiB)
     ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
@@ -201,7 +203,7 @@ def test_ctrl_c_while_the_forensics_print_puts_the_fraction_back(fake_gpu, monke
     from oom_magic import guard as guard_module
     from oom_magic import guard_load
 
-    cuda = fake_gpu(GuardFakeCuda(80 * GiB))
+    cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)
 
     def interrupted_print(*args: Any, **kwargs: Any) -> str:
@@ -245,7 +247,7 @@ def test_config_only_sizing_counts_the_model_without_importing_torch_here(tmp_pa
         est = estimate_checkpoint({str(tmp_path)!r})
         print(est.format, est.parameters, "torch" in sys.modules, "transformers" in sys.modules)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])))
     assert out.stdout.split() == ["config-only", str(expected), "False", "False"], out.stderr
 

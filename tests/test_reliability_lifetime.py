@@ -205,7 +205,8 @@ from oom_magic import nvml as _nvml
 from oom_magic.nvml import Nvml
 from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
 # FAKE NVML (no GPU here): one device holding both kernels, by their real pids.
-_nvml._DEFAULT = Nvml(FakeNvml([FakeGpu(used=8 << 30, processes={processes!r})]).module)
+_fake_nvml = _nvml.use(Nvml(FakeNvml([FakeGpu(used=8 << 30, processes={processes!r})]).module))
+_fake_nvml.__enter__()  # for this kernel's life (held in a name: a dropped one would exit and put NVML back)
 get_ipython().run_line_magic("load_ext", "oom_magic")
 _s = get_ipython().run_line_magic("gpumem", "-o --device cuda:0")
 print("RESULT", json.dumps({{"self": _s.reading.process_used,

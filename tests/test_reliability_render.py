@@ -23,7 +23,8 @@ import sys
 import textwrap
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -31,7 +32,6 @@ import torch
 from IPython.utils.capture import capture_output
 from safetensors.torch import save_file
 
-from oom_magic import nvml as nvml_module
 from oom_magic.nvml import Nvml
 from oom_magic.preflight import preflight_check
 from oom_magic.watch import CellReport
@@ -186,10 +186,10 @@ def payload_process() -> Iterator[subprocess.Popen]:
         yield proc
 
 
-def test_process_names_stay_inert(ip, monkeypatch, payload_process) -> None:
+def test_process_names_stay_inert(use_nvml, ip, monkeypatch, payload_process) -> None:
     assert psutil.Process(payload_process.pid).name() == IMG  # the payload really is its name
     gpu = FakeGpu(used=5 * GiB, processes=[(payload_process.pid, 3 * GiB), (os.getpid(), 2 * GiB)])
-    monkeypatch.setattr(nvml_module, "_DEFAULT", Nvml(FakeNvml([gpu]).module))  # FAKE NVML, real pids
+    use_nvml(Nvml(FakeNvml([gpu]).module))  # FAKE NVML, real pids
     ip.run_cell("import torch", store_history=True)
     snap = ip.run_line_magic("gpumem", "-o --device cuda:0")
     (other,) = snap.reading.processes

@@ -1,9 +1,9 @@
 """Tests for oom_magic.watch: the cheap after-cell change check and the per-cell history.
 
 cpu figures are real (real torch CPU tensors and modules, this process's real resident set, real
-CPU out-of-memory errors). There is no GPU here, so ``FakeAllocator`` below stands in for the
-CUDA caching allocator's counters: a FAKE, returning the three figures the real probe reads
-(allocated, reserved, allocated peak) as plain ints.
+CPU out-of-memory errors). There is no GPU here, so the FAKE torch.cuda (tests/fakes/
+fake_torch_cuda.py) is put on torch for the GPU cases: the watcher's own probe reads its
+allocator counters (allocated, reserved, allocated peak) through ``memory_stats_as_nested_dict``.
 """
 from __future__ import annotations
 
@@ -19,30 +19,22 @@ from oom_magic import watch
 from oom_magic.roots import collect_roots
 from oom_magic.snapshot import snapshot
 from oom_magic.watch import CellRecord, Probe, Thresholds, Watcher, cell_peak, mark_cell
+from tests.fakes.fake_torch_cuda import GiB, FakeTorchCuda
 
 MiB = 1 << 20
 
 
-class FakeAllocator:
-    """FAKE CUDA allocator counters for absent hardware: settable allocated/reserved/peak ints."""
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A FAKE torch.cuda on torch (two 80 GiB devices, CUDA initialized), read by the real probe."""
+    return FakeTorchCuda(80 * GiB, 80 * GiB).install(monkeypatch, torch)
 
-    def __init__(self, device: str = "cuda:0") -> None:
-        self.device = device
-        self.allocated = 0
-        self.reserved = 0
-        self.peak = 0
 
-    def __call__(self, torch_module: object) -> Probe:
-        return Probe(self.device, self.allocated, self.reserved, self.peak)
-
-    def set(self, allocated: int, reserved: int | None = None) -> None:
-        self.allocated = allocated
-        self.reserved = max(self.reserved, allocated) if reserved is None else reserved
-        self.peak = max(self.peak, allocated)
+DEFAULT_THRESHOLDS = Thresholds()
 
 
 def run_cell(w: Watcher, count: int, ns: dict, action=None, error: BaseException | None = None,
-             thresholds: Thresholds = Thresholds()):
+             thresholds: Thresholds = DEFAULT_THRESHOLDS):
     """One cell as the hooks see it: before_cell, the cell's action, after_cell."""
     w.before_cell()
     if action is not None:
@@ -108,7 +100,7 @@ def test_cpu_module_parameters_and_buffers_count_once() -> None:
     assert alias.variable_delta == 0
 
 
-def test_cpu_resident_set_growth_counts_without_any_variable() -> None:
+def test_cpu_resident_set_growth_counts_without_any_variable(reset_high_water) -> None:
     w = Watcher()
     ns: dict = {}
     kept: list = []
@@ -152,46 +144,48 @@ def test_objects_that_lie_about_their_class_are_never_asked() -> None:
     assert Liar.calls == 0
 
 
-def test_gpu_thresholds_on_allocated_and_reserved() -> None:
-    fake = FakeAllocator()
-    w = Watcher(probe=fake)
+def test_gpu_thresholds_on_allocated_and_reserved(fake_cuda) -> None:
+    fake = fake_cuda
+    w = Watcher()
     ns: dict = {}
     w.after_cell(1, None, ns)
-    below = run_cell(w, 2, ns, lambda: fake.set(MiB - 1))
+    below = run_cell(w, 2, ns, lambda: fake.hold(MiB - 1))
     assert below.delta == MiB - 1 and not below.changed
-    at = run_cell(w, 3, ns, lambda: fake.set(2 * MiB - 1))
+    at = run_cell(w, 3, ns, lambda: fake.hold(2 * MiB - 1))
     assert at.delta == MiB and at.reasons == ("allocated", "reserved")
-    grown = run_cell(w, 4, ns, lambda: setattr(fake, "reserved", 40 * MiB))  # the cache grew only
+    grown = run_cell(w, 4, ns, lambda: fake.hold(fake.memory_allocated(), reserved=40 * MiB))  # the cache grew only
     assert grown.reasons == ("reserved",) and grown.delta == 0
     # empty_cache(): allocated unchanged, the cache goes back.
-    released = run_cell(w, 5, ns, lambda: fake.set(2 * MiB - 1, reserved=2 * MiB))
+    released = run_cell(w, 5, ns, lambda: fake.hold(2 * MiB - 1, reserved=2 * MiB))
     assert released.reasons == ("reserved",)
     assert released.record.reserved == 2 * MiB and released.record.allocated == 2 * MiB - 1
     assert released.record.rss is None
 
 
-def test_gpu_per_cell_peak_known_only_when_the_high_water_mark_says_so() -> None:
-    fake = FakeAllocator()
-    w = Watcher(probe=fake)
+def test_gpu_per_cell_peak_known_only_when_the_high_water_mark_says_so(fake_cuda) -> None:
+    fake = fake_cuda
+    w = Watcher()
     ns: dict = {}
     w.after_cell(1, None, ns)
 
     def load_then_free_temporaries() -> None:
-        fake.set(13 * 1024 * MiB)   # weights + temporaries
-        fake.set(12 * 1024 * MiB)   # temporaries freed
+        fake.hold(13 * 1024 * MiB)   # weights + temporaries
+        fake.hold(12 * 1024 * MiB)   # temporaries freed
 
     load = run_cell(w, 2, ns, load_then_free_temporaries)
     assert load.delta == 12 * 1024 * MiB
     assert load.record.peak == 13 * 1024 * MiB and load.peak_delta == 13 * 1024 * MiB
-    small = run_cell(w, 3, ns, lambda: fake.set(12 * 1024 * MiB + 5 * MiB))
+    small = run_cell(w, 3, ns, lambda: fake.hold(12 * 1024 * MiB + 5 * MiB))
     assert small.record.peak is None and small.peak_delta is None  # below the old mark: unknown
 
 
-def test_cuda_initialized_during_the_cell_compares_with_nothing_held() -> None:
-    cpu_then_cuda = iter([Probe("cpu", rss=100 * MiB, high_water=100 * MiB),
-                          Probe("cuda:0", 8 * MiB, 20 * MiB, 9 * MiB)])
-    w = Watcher(probe=lambda torch_module: next(cpu_then_cuda))
-    w.before_cell()
+def test_cuda_initialized_during_the_cell_compares_with_nothing_held(fake_cuda) -> None:
+    fake_cuda.initialized = False
+    w = Watcher()
+    w.before_cell()  # cpu: no CUDA yet
+    fake_cuda.init()
+    fake_cuda.hold(9 * MiB)
+    fake_cuda.hold(8 * MiB, reserved=20 * MiB)
     change = w.after_cell(7, None, {})
     assert change.device == "cuda:0"
     assert change.delta == 8 * MiB and change.reasons == ("allocated", "reserved")
@@ -267,9 +261,9 @@ def test_note_scan_stores_the_tensor_bytes_in_that_cells_record() -> None:
     assert w.note_scan(snap, change.record) is None  # not the last record any more (replaced)
 
 
-def test_records_filter_by_device() -> None:
-    fake = FakeAllocator("cuda:1")
-    w = Watcher(probe=fake)
+def test_records_filter_by_device(fake_cuda) -> None:
+    fake_cuda.set_device(1)
+    w = Watcher()
     run_cell(w, 1, {})
     assert [r.device for r in w.records("cuda:1")] == ["cuda:1"]
     assert w.records("cpu") == ()
@@ -297,10 +291,13 @@ def test_with_the_cells_source_only_new_mentioned_and_tracked_names_are_checked(
     assert gone.variable_bytes == (2048 * 2048 + 2048) * 4
 
 
-def test_switching_gpus_leaves_nothing_to_compare_with() -> None:
-    probes = iter([Probe("cuda:0", 8 * MiB, 20 * MiB, 9 * MiB), Probe("cuda:1", 4 * MiB, 4 * MiB, 4 * MiB)])
-    w = Watcher(probe=lambda torch_module: next(probes))  # FAKE allocator readings
-    w.before_cell()
+def test_switching_gpus_leaves_nothing_to_compare_with(fake_cuda) -> None:
+    fake_cuda.hold(9 * MiB)
+    fake_cuda.hold(8 * MiB, reserved=20 * MiB)
+    w = Watcher()
+    w.before_cell()  # cuda:0
+    fake_cuda.set_device(1)
+    fake_cuda.hold(4 * MiB, device=1)
     change = w.after_cell(3, None, {})
     assert change.device == "cuda:1" and change.before is None and change.delta is None
     assert not change.changed

@@ -25,7 +25,8 @@ import ctypes
 import string
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Iterable
+from typing import Any, ClassVar
+from collections.abc import Callable, Iterable
 
 # Constants copied from nvidia-ml-py 13.615 pynvml.py.
 NVML_SUCCESS = 0
@@ -231,7 +232,7 @@ class FakeNvml:
         module.nvmlMemory_v2 = nvmlMemory_v2
 
         class NVMLError(Exception):
-            _valClassMapping: dict[int, type] = {}
+            _valClassMapping: ClassVar[dict[int, type]] = {}
 
             def __new__(typ, value: int):  # type: ignore[no-untyped-def]
                 if typ is NVMLError:

@@ -1,7 +1,7 @@
 """quickstart.ipynb in real JupyterLab and headless Chromium: run all, see the widget, click its button.
 
 Screenshots go to test-output/ui/ only (a test never writes over a tracked file); the README's
-docs/img/quickstart-widget.png is refreshed from there by hand when the widget changes.
+docs/img/quickstart-widget.png is refreshed from there by scripts/refresh_docs_image.sh, by hand.
 """
 from __future__ import annotations
 
