@@ -29,7 +29,7 @@ $(VENV)/.test: $(VENV)/.core pyproject.toml
 demo: $(VENV)/.core
 	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
 
-test: $(VENV)/.test
+test: lint
 	$(BIN)/python -m pytest -q
 
 # ruff over the package and tests' imports, mypy over the package (config in pyproject.toml).

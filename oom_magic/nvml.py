@@ -5,6 +5,8 @@ A UI-free layer in the manner of nvitop's ``api/libnvml.py``: every NVML call go
 anything NVML cannot tell is None. ``visible_nvml_devices`` answers "which NVML device is torch's
 ``cuda:N``" from CUDA_VISIBLE_DEVICES, and ``ordering_note`` says when that answer may be wrong.
 This module never imports torch; pynvml is imported on first use, never at import time.
+It runs past 600 lines because each NVML query has its own never-raise wrapper and fallback;
+the cuda:N-to-NVML device mapping is the part to move out next.
 """
 from __future__ import annotations
 
