@@ -32,7 +32,7 @@ demo: $(VENV)/.core
 test: lint
 	$(BIN)/python -m pytest -q
 
-# ruff over the package and tests' imports, mypy over the package (config in pyproject.toml).
+# ruff and mypy over the package (config in pyproject.toml); make test runs it first.
 lint: $(VENV)/.test
 	$(BIN)/python -m ruff check oom_magic
 	$(BIN)/python -m mypy
