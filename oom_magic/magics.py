@@ -106,19 +106,14 @@ class OomMagics(Magics):
                                         "retry decision: a size such as 2GiB, or a percentage of the device's "
                                         "capacity such as 5%; --headroom overrides it for one cell.").tag(config=True)
 
-    @validate("top", "gpu_change_threshold", "cpu_change_threshold", "hook_budget_ms", "live_widgets")
-    def _zero_or_more(self, proposal: Any) -> int:
-        """A negative count, threshold or budget is refused when set (%config says why), not later."""
-        value = proposal["value"]
-        if value < 0:
-            raise TraitError(f"OomMagics.{proposal['trait'].name} must be 0 or more, not {value}; it is unchanged")
-        return value
-
-    @validate("history_length")
-    def _one_or_more(self, proposal: Any) -> int:
-        value = proposal["value"]
-        if value < 1:
-            raise TraitError(f"OomMagics.history_length must be 1 or more, not {value}; it is unchanged")
+    @validate("top", "gpu_change_threshold", "cpu_change_threshold", "hook_budget_ms", "live_widgets",
+              "history_length")
+    def _at_least(self, proposal: Any) -> int:
+        """A count, threshold or budget below its floor is refused when set (%config says why), not later."""
+        name, value = proposal["trait"].name, proposal["value"]
+        floor = 1 if name == "history_length" else 0
+        if value < floor:
+            raise TraitError(f"OomMagics.{name} must be {floor} or more, not {value}; it is unchanged")
         return value
 
     @validate("guard_headroom")
