@@ -62,12 +62,13 @@ class GuardRefused(OomMagicError):
     """--strict: the preflight says the load will not fit, so the cell was not run."""
 
 
-def _first_line(exc: BaseException) -> str:
-    """The first line of an error's message; '' when its ``__str__`` itself raises."""
+def _error_line(exc: BaseException) -> str:
+    """"Type: first line of the message", as an attempt records it (no message when its ``__str__`` raises)."""
     try:
-        return (str(exc).strip().splitlines() or [""])[0]
+        first = (str(exc).strip().splitlines() or [""])[0]
     except Exception:
-        return ""
+        first = ""
+    return f"{type(exc).__name__}: {first}"
 
 
 def _message(exc: BaseException) -> str:
@@ -407,8 +408,7 @@ class GuardedLoad:
         run = self._state()
         seconds = start.seconds()
         self._stop_history()
-        error = f"{type(exc).__name__}: {_first_line(exc)}"
-        run.attempts.append(Attempt(len(run.attempts) + 1, "error", seconds, error))
+        run.attempts.append(Attempt(len(run.attempts) + 1, "error", seconds, _error_line(exc)))
         after = self._read().reading
         self._release_cap()
         self.report = self._report("error", start.reading, after, seconds,
@@ -421,7 +421,7 @@ class GuardedLoad:
         run.torch = run.torch or loaded_torch()
         text = self.format_traceback(exc)
         self.printer.traceback(text)
-        error = f"{type(exc).__name__}: {_first_line(exc)}"
+        error = _error_line(exc)
         run.error_type = type(exc)
         message = parse_oom_message(_message(exc)) or parse_oom_message(text)
         failed = at_failure(run.torch, run.device, self._read().reading)
