@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oom_magic.estimate import estimate_checkpoint  # noqa: E402
-from oom_magic.safetensors_header import read_safetensors_header  # noqa: E402
+from oom_magic.checkpoints.estimate import estimate_checkpoint  # noqa: E402
+from oom_magic.checkpoints.safetensors_header import read_safetensors_header  # noqa: E402
 from oom_magic.render.units import format_bytes  # noqa: E402
 
 SHAPES = {

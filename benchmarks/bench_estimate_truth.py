@@ -131,8 +131,8 @@ def run() -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from oom_magic.estimate import estimate_checkpoint
-    from oom_magic.load_peak import load_peak
+    from oom_magic.checkpoints.estimate import estimate_checkpoint
+    from oom_magic.fit.load_peak import load_peak
 
     rows: list[dict[str, Any]] = []
     peaks: list[dict[str, Any]] = []

@@ -83,10 +83,10 @@ def measure_heap(label: str, tensors: int, repeat: int, *, garbage: str | None =
     except Exception as exc:  # not installed, or broken against this torch
         memlab_error = f"{type(exc).__name__}: {exc}"
     import oom_magic
-    from oom_magic.devices import read_device
-    from oom_magic.holders import attribute
-    from oom_magic.roots import collect_roots
-    from oom_magic.tracker import find_tensors, tensor_types
+    from oom_magic.device.reading import read_device
+    from oom_magic.heap.holders import attribute
+    from oom_magic.heap.roots import collect_roots
+    from oom_magic.heap.tracker import find_tensors, tensor_types
 
     snapshot_before = None
     if before is not None:

@@ -50,7 +50,7 @@ def measure(shape: str, tensors: int, repeat: int = 3) -> dict[str, Any]:
     import torch
 
     import oom_magic
-    from oom_magic.roots import collect_roots
+    from oom_magic.heap.roots import collect_roots
 
     namespace: dict[str, Any] = {}
     started = time.perf_counter()

@@ -377,8 +377,8 @@ def plot(scan: dict[str, Any], path: Path) -> str | None:
     styles = {"floor": ("gc.get_objects() (floor)", "k", ":", "o"),
               "naive": ("naive is_tensor scan", "tab:orange", "-", "o"),
               "memlab": ("pytorch_memlab report()", "tab:red", "-", "o"),
-              "ours": ("oom_magic.snapshot", "tab:blue", "-", "o"),
-              "ours_before": ("oom_magic.snapshot before the optimisation", "tab:blue", "--", "x")}
+              "ours": ("oom_magic.heap.snapshot", "tab:blue", "-", "o"),
+              "ours_before": ("oom_magic.heap.snapshot before the optimisation", "tab:blue", "--", "x")}
     for ax, count in zip(axes[0], counts):
         rows = sorted((h for h in heaps if h["tensors_target"] == count), key=lambda h: h["objects"])
         for key, (label, color, style, marker) in styles.items():

@@ -3,7 +3,7 @@
 The notebooks are generated so they can be reviewed as code: edit this file, run
 ``python notebooks/make_notebooks.py``, and commit the script together with the two .ipynb files
 it writes (outputs empty). ``--check`` exits 1 when a committed notebook differs from what this
-script writes (tests/test_notebooks.py runs it).
+script writes (tests/notebook/test_notebooks.py runs it).
 
 Both notebooks run unchanged on a CUDA GPU and on cpu, build their models locally from configs
 (under notebooks/_models/, gitignored; no hub, no download) and stay small enough to run in
@@ -21,7 +21,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 HERE = Path(__file__).resolve().parent
 
-# Cell ids are stable so tests (tests/test_notebooks.py) can find a cell by what it is for.
+# Cell ids are stable so tests (tests/notebook/test_notebooks.py) can find a cell by what it is for.
 # A cell tagged "raises-exception" is one whose error is the point: nbclient and JupyterLab's
 # "Run All" carry on past it.
 
@@ -436,7 +436,7 @@ def walkthrough() -> nbformat.NotebookNode:
         copy of the environment, so it runs (and changes nothing) on a machine without a GPU.
         """),
         code("fix6-setting", """
-        from oom_magic.guard import allocator_setting
+        from oom_magic.guard.pipeline import allocator_setting
 
         env = dict(os.environ)  # a copy: nothing here changes this kernel
         print(allocator_setting(env, "cuda:0", initialized=torch.cuda.is_initialized()))

@@ -9,17 +9,17 @@ from typing import Any
 
 # Eager and cheap (none of these imports torch or IPython); bound here so that a module named
 # like its function (snapshot, diagnose) never shadows the function on the package.
-from .cleanup import FreeReport, free_stale
-from .devices import DeviceReading, available_devices, read_device
-from .checkpoints import resolve_checkpoint
-from .errors import OomMagicError
-from .estimate import CheckpointEstimate, estimate_checkpoint
-from .oom import OOMMessage, is_out_of_memory, parse_oom_message
-from .snapshot import Snapshot, snapshot
-from .diagnose import Diagnosis, diagnose
-from .guard import GuardReport, guard_load
-from .preflight import Preflight, preflight_check
-from .fit import fit_check
+from .heap.cleanup import FreeReport, free_stale
+from .device.reading import DeviceReading, available_devices, read_device
+from .checkpoints.files import resolve_checkpoint
+from .common.errors import OomMagicError
+from .checkpoints.estimate import CheckpointEstimate, estimate_checkpoint
+from .guard.oom import OOMMessage, is_out_of_memory, parse_oom_message
+from .heap.snapshot import Snapshot, snapshot
+from .guard.diagnose import Diagnosis, diagnose
+from .guard.pipeline import GuardReport, guard_load
+from .fit.preflight import Preflight, preflight_check
+from .fit.check import fit_check
 from . import render  # noqa: F401  (last: registers every record's renderer)
 
 __version__ = "0.1.0"
@@ -34,14 +34,14 @@ __all__ = [
 
 def load_ipython_extension(ipython: Any) -> None:
     """Register the oom-magic magics and hooks (``%load_ext oom_magic``)."""
-    from ._extension import load
+    from .notebook.extension import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Unregister exactly what loading registered (``%unload_ext oom_magic``)."""
-    from ._extension import unload
+    from .notebook.extension import unload
 
     unload(ipython)
 
@@ -51,7 +51,7 @@ def latest_widget(ipython: Any = None) -> Any:
 
     ``latest_widget().button.click()`` does what a click does; ``.report`` holds its figures.
     """
-    from ._extension import loaded_magics
+    from .notebook.extension import loaded_magics
 
     magics = loaded_magics(ipython)
     return magics.cell_watch.latest if magics is not None else None

@@ -12,7 +12,7 @@ import sys
 from typing import NoReturn
 from collections.abc import Sequence
 
-from .fit import DTYPES, QUANTIZATIONS
+from .fit.check import DTYPES, QUANTIZATIONS
 
 FITS, WILL_NOT_FIT, BAD_INPUT = 0, 1, 2
 _MISSING_FIX = ("; pass a checkpoint folder, a .safetensors/.bin/.pt file or shard index, or a hub id already "
@@ -59,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status."""
     args = build_parser().parse_args(argv)
-    from .errors import OomMagicError
-    from .fit import fit_check
+    from .common.errors import OomMagicError
+    from .fit.check import fit_check
 
     try:
         preflight = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,

@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 versions=${1:-"3.10 3.11 3.12 3.13"}
-tests=${2:-tests/test_reliability_ii_torchfree.py}
+tests=${2:-tests/reliability/test_reliability_ii_torchfree.py}
 # The package's dependencies without torch, plus the test tools.
 deps="ipython>=8 ipywidgets>=8 matplotlib psutil nvidia-ml-py pytest ruff"
 
@@ -36,7 +36,7 @@ for v in $versions; do
 import importlib, pkgutil, sys
 import oom_magic
 names = [m.name for m in pkgutil.walk_packages(oom_magic.__path__, "oom_magic.")
-         if m.name != "oom_magic.__main__"]  # runs the command line: checked by tests/test_cli.py
+         if m.name != "oom_magic.__main__"]  # runs the command line: checked by tests/fit/test_cli.py
 for name in names:
     importlib.import_module(name)
 assert "torch" not in sys.modules, "importing oom_magic imported torch"

@@ -63,7 +63,7 @@ def ready_process(args: list[str]) -> Iterator[subprocess.Popen]:
 def use_nvml() -> Iterator[Callable[[Any], Any]]:
     """Put an Nvml (over a FAKE pynvml, tests/fakes/fake_pynvml.py) in place of this machine's for
     one test, through ``nvml.use``; returns the installer, and the machine's comes back afterwards."""
-    from oom_magic import nvml
+    from oom_magic.device import nvml
 
     with ExitStack() as stack:
         yield lambda reader: stack.enter_context(nvml.use(reader))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "oom_magic"
-GLUE = {"oom_magic.magics", "oom_magic._extension", "oom_magic.widget"}
+GLUE = {"oom_magic.notebook.magics", "oom_magic.notebook.extension", "oom_magic.notebook.widget"}
 # Modules over the size limit must say why in their docstring (none today).
 LINE_LIMIT = 600
 
@@ -22,6 +22,11 @@ def _module_name(path: Path) -> str:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+GLUE = {name for name in MODULES if name.startswith("oom_magic.notebook")}
+# The package's capabilities, top to bottom: a package imports only packages below it (or itself).
+PACKAGE_LAYERS = ("notebook", "cli", "guard", "fit", "heap", "checkpoints", "device", "render", "records", "common")
+# The command sits beside the notebook glue: neither imports the other.
+TOP = {"oom_magic", "oom_magic.__main__"}
 
 
 def _imports(name: str) -> set[str]:
@@ -96,9 +101,33 @@ def _cycles() -> list[list[str]]:
 
 def test_the_import_graph_is_read_from_every_module() -> None:
     # The check below means something only if the graph is real: the guard reaches the records and facts.
-    assert {"oom_magic.records.guard", "oom_magic.devices"} <= GRAPH["oom_magic.guard"] | {
-        m for n in GRAPH["oom_magic.guard"] for m in GRAPH.get(n, ())}
+    assert {"oom_magic.records.guard", "oom_magic.device.reading"} <= GRAPH["oom_magic.guard.pipeline"] | {
+        m for n in GRAPH["oom_magic.guard.pipeline"] for m in GRAPH.get(n, ())}
     assert len(MODULES) > 50
+
+
+def _package(name: str) -> str:
+    return name.split(".")[1]
+
+
+def test_the_package_shows_its_capabilities_as_folders() -> None:
+    entries = {p.name for p in PACKAGE.iterdir() if not p.name.startswith((".", "_")) and p.name != "py.typed"}
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(PACKAGE_LAYERS) - {"cli"}
+    assert entries == folders | {"cli.py", "data"}
+    for folder in folders:  # each one says its job in its __init__
+        assert len(ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or "") > 80, folder
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n not in TOP))
+def test_a_package_imports_only_the_capabilities_below_it(name: str) -> None:
+    rank = PACKAGE_LAYERS.index(_package(name))
+    above = {n for n in GRAPH[name] if not n.startswith("!") and n not in TOP and PACKAGE_LAYERS.index(_package(n)) < rank}
+    assert above == set(), f"{name} imports {sorted(above)}, above it in {PACKAGE_LAYERS}"
+
+
+def test_render_units_is_a_leaf() -> None:
+    assert {n for n in GRAPH["oom_magic.render.units"] if not n.startswith("!")} <= {"oom_magic.common.sizes"}
 
 
 def test_no_import_cycle_even_at_type_level() -> None:
@@ -106,25 +135,24 @@ def test_no_import_cycle_even_at_type_level() -> None:
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
-    GRAPH["oom_magic.records.oom"].add("oom_magic.oom")  # oom.py imports records.oom: a two-module loop
+    GRAPH["oom_magic.records.oom"].add("oom_magic.guard.oom")  # oom.py imports records.oom: a two-module loop
     try:
-        assert ["oom_magic.oom", "oom_magic.records.oom"] in _cycles()
+        assert ["oom_magic.guard.oom", "oom_magic.records.oom"] in _cycles()
     finally:
-        GRAPH["oom_magic.records.oom"].discard("oom_magic.oom")
+        GRAPH["oom_magic.records.oom"].discard("oom_magic.guard.oom")
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("oom_magic.records")))
 def test_a_record_module_imports_no_renderer_and_no_use_case(name: str) -> None:
-    facts = {"oom_magic.devices", "oom_magic.nvml", "oom_magic.processes", "oom_magic.targets"}  # records they hold
-    allowed = {n for n in MODULES if n.startswith("oom_magic.records")} | facts | {
-        "oom_magic.errors", "oom_magic.sizes", "oom_magic.dtypes"}
+    allowed = {n for n in MODULES if n.startswith("oom_magic.records")} | {
+        "oom_magic.common.errors", "oom_magic.common.sizes", "oom_magic.common.dtypes"}
     assert {n for n in GRAPH[name] if not n.startswith("!")} <= allowed
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("oom_magic.render")))
 def test_a_renderer_imports_records_not_the_code_that_makes_them(name: str) -> None:
-    above = {"oom_magic.guard", "oom_magic.preflight", "oom_magic.cleanup", "oom_magic.snapshot",
-             "oom_magic.watch", "oom_magic.magics", "oom_magic.widget", "oom_magic.diagnose"}
+    above = {"oom_magic.guard.pipeline", "oom_magic.fit.preflight", "oom_magic.heap.cleanup", "oom_magic.heap.snapshot",
+             "oom_magic.notebook.watch", "oom_magic.notebook.magics", "oom_magic.notebook.widget", "oom_magic.guard.diagnose"}
     assert not GRAPH[name] & above
 
 
@@ -132,7 +160,7 @@ def test_a_renderer_imports_records_not_the_code_that_makes_them(name: str) -> N
 def test_only_the_glue_imports_ipython_or_ipywidgets_and_nothing_imports_torch(name: str) -> None:
     forbidden = {"!torch"} | (set() if name in GLUE else {"!IPython", "!ipywidgets"})
     # hf_rules imports transformers' submodules only once the user's process holds transformers (or in its child).
-    forbidden |= set() if name == "oom_magic.hf_rules" else {"!transformers", "!accelerate"}
+    forbidden |= set() if name == "oom_magic.checkpoints.hf_rules" else {"!transformers", "!accelerate"}
     assert not GRAPH[name] & forbidden
 
 

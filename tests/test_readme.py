@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from oom_magic.cli import build_parser
-from oom_magic.magics import OomMagics
+from oom_magic.notebook.magics import OomMagics
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -12,10 +12,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-from oom_magic.diagnose import diagnose
+from oom_magic.guard.diagnose import diagnose
 from oom_magic.render.guard import diagnosis_text, script_wording
 
-from .test_diagnose import CUDA_OOM, FRAGMENTED, GiB
+from tests.guard.test_diagnose import CUDA_OOM, FRAGMENTED, GiB
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,7 @@ from .shown import Shown
 from .snapshot import HolderKind
 
 if TYPE_CHECKING:  # annotation only: the reading's record lives beside the code that reads it
-    from ..devices import DeviceReading
+    from .device import DeviceReading
 
 
 @dataclass(frozen=True)

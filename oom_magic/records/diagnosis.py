@@ -12,7 +12,7 @@ from .shown import Shown
 
 if TYPE_CHECKING:
     from .oom import OOMMessage
-    from ..processes import ProcessInfo
+    from .device import ProcessInfo
 
 __all__ = ["Cause", "CauseKind", "Diagnosis", "FitKind", "FitOption", "RetryReason", "RetryVerdict"]
 

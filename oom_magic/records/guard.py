@@ -12,10 +12,10 @@ from .shown import Shown
 
 if TYPE_CHECKING:
     from .cleanup import FreeReport
-    from ..devices import DeviceReading
+    from .device import DeviceReading
     from .oom import OOMMessage
     from .preflight import Preflight
-    from ..targets import Cap, Target
+    from .target import Cap, Target
     from .diagnosis import Diagnosis
 
 __all__ = ["AllocatorAction", "AllocatorSetting", "Attempt", "ChangeKind", "GiveBack", "GuardReport", "Outcome",

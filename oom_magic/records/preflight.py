@@ -14,7 +14,7 @@ from .shown import Shown
 if TYPE_CHECKING:
     # Records of the advice and the target GPU, still beside the code that builds them.
     from .diagnosis import FitOption
-    from ..targets import Target
+    from .target import Target
 
 __all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "OffloadCheck", "Preflight", "Severity", "Verdict"]
 

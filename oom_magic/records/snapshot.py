@@ -14,7 +14,7 @@ from .data import record_dict
 from .shown import Shown
 
 if TYPE_CHECKING:  # annotation only: the reading's record lives beside the code that reads it
-    from ..devices import DeviceReading
+    from .device import DeviceReading
 
 HolderKind = Literal["user", "output-cache", "traceback", "garbage", "other"]
 USER: Final = "user"

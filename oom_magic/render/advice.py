@@ -13,7 +13,7 @@ from ..records.shown import renders
 from .units import format_bytes
 
 if TYPE_CHECKING:
-    from ..targets import Target
+    from ..records.target import Target
 
 OPTION_LABELS = {
     "bfloat16": "bf16/fp16",

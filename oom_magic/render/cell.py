@@ -1,6 +1,6 @@
 """Words for the after-cell memory view: its caption, button label, details, and static exports.
 
-The live widget (``oom_magic.widget``) shows these strings; ``cell_text``/``cell_html`` are the
+The live widget (``oom_magic.notebook.widget``) shows these strings; ``cell_text``/``cell_html`` are the
 text/plain and text/html it leaves beside the widget view, so terminals, nbconvert and GitHub
 show the same figures. Every outside string (holder paths, process names, notes) is escaped.
 """

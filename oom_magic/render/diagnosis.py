@@ -9,7 +9,7 @@ from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, targe
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
-    from ..targets import Target
+    from ..records.target import Target
 
 _CAUSE_TITLES = {
     "other-processes": "other processes hold memory",

@@ -19,7 +19,7 @@ from .units import escape, format_bytes, one_line  # escape: html.escape, surrog
 if TYPE_CHECKING:
     from ..records.cleanup import FreeReport
     from ..records.preflight import FitCheck, Lint, Preflight
-    from ..targets import Target
+    from ..records.target import Target
 
 __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
            "give_back_line", "guard_report_html", "guard_report_text", "lint_text", "option_code", "option_rows",

@@ -11,7 +11,7 @@ from .text import free_report_text, snapshot_text, usage_line
 from .units import escape, format_bytes  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
-    from ..processes import ProcessInfo
+    from ..records.device import ProcessInfo
 
 COLORS = {"user": "#4c78a8", "stale": "#e45756", "other": "#b279a2", "untracked": "#9d755d",
           "cache": "#f2cf5b", "context": "#bab0ac", "process-rest": "#bab0ac", "others": "#72b7b2",

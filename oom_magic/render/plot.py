@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
-from ..errors import OomMagicError
+from ..common.errors import OomMagicError
 from ..records.cell import CellRecord
 
 OOM_COLOR = "#e45756"

@@ -11,8 +11,8 @@ from .segments import Segment, memory_segments
 from .units import format_bytes, one_line
 
 if TYPE_CHECKING:
-    from ..devices import DeviceReading
-    from ..processes import ProcessInfo
+    from ..records.device import DeviceReading
+    from ..records.device import ProcessInfo
 
 BAR_WIDTH = 40
 _BAR_CHARS = {"user": "█", "stale": "▓", "other": "▒", "untracked": "░", "cache": "▚",

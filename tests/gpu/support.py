@@ -3,7 +3,7 @@
 Ground truth is read straight from PyTorch (``torch.cuda.memory_allocated`` and friends, the
 allocator's own ``memory_snapshot``) and from NVML through ``pynvml`` itself, never through
 oom-magic's figures, so a check compares our figures with independent ones. *Which* NVML device
-is torch's ``cuda:N`` is the one thing taken from the package (``oom_magic.nvml``): on a MIG
+is torch's ``cuda:N`` is the one thing taken from the package (``oom_magic.device.nvml``): on a MIG
 instance or with CUDA_VISIBLE_DEVICES remapped, NVML index 0 or the parent GPU's PCI handle is
 the wrong device, and the suite must fail only for the package's own mistakes.
 
@@ -98,7 +98,7 @@ def nvml_processes() -> dict[int, int | None]:
     A GPU in MIG mode lists its processes without bytes: each MIG instance's own handle gives them.
     """
     import pynvml
-    from oom_magic.nvml import Nvml
+    from oom_magic.device.nvml import Nvml
 
     pynvml.nvmlInit()
     nvml = Nvml(module=pynvml)
@@ -171,11 +171,11 @@ def run_fresh(code: str, *, env: dict[str, str] | None = None, timeout: float = 
 def nvml_handle(torch: Any, index: int = 0) -> Any:
     """pynvml's handle for torch's ``cuda:index``, found as the package finds it.
 
-    ``oom_magic.nvml.nvml_device_for_torch``: the PCI bus id when CUDA is initialized, else
+    ``oom_magic.device.nvml.nvml_device_for_torch``: the PCI bus id when CUDA is initialized, else
     CUDA_VISIBLE_DEVICES (indices, GPU/MIG UUIDs); a GPU in MIG mode is its MIG instance.
     """
     import pynvml
-    from oom_magic.nvml import Nvml, format_pci_bus_id, nvml_device_for_torch
+    from oom_magic.device.nvml import Nvml, format_pci_bus_id, nvml_device_for_torch
 
     pynvml.nvmlInit()
     nvml = Nvml(module=pynvml)

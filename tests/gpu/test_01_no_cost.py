@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 CHILD = r'''
 import pynvml
-from oom_magic.nvml import Nvml, visible_nvml_devices  # the package's identity of cuda:0 (MIG, remaps)
+from oom_magic.device.nvml import Nvml, visible_nvml_devices  # the package's identity of cuda:0 (MIG, remaps)
 pynvml.nvmlInit()
 _nvml = Nvml(module=pynvml)
 handle = _nvml.handle(visible_nvml_devices(_nvml)[0])

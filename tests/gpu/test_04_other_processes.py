@@ -109,7 +109,7 @@ def test_second_jupyter_kernel_is_flagged(cuda, checks, tmp_path):
         checks.equal("its bytes == NVML usedGpuMemory for that pid", truth, info.used_bytes if info else None)
         checks.at_least("its bytes cover the 512 MiB tensor", 512 * MiB, info.used_bytes if info else None)
         from oom_magic.render.text import snapshot_text
-        from oom_magic.snapshot import snapshot
+        from oom_magic.heap.snapshot import snapshot
 
         text = snapshot_text(snapshot("cuda:0"))
         checks.true("%gpumem's text names it a Jupyter kernel", str(pid) in text and "Jupyter kernel" in text)

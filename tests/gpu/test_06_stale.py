@@ -1,7 +1,7 @@
 """Check 6 — the stale-memory traps with CUDA tensors: %freeall gives stale memory back to the
 allocator and leaves user-held memory where it is.
 
-The six traps of tests/test_stale_traps.py, with CUDA tensors of tens of MiB. Ground truth:
+The six traps of tests/heap/test_stale_traps.py, with CUDA tensors of tens of MiB. Ground truth:
 ``torch.cuda.memory_allocated()`` before the trap (the baseline), a weak reference to the
 stale tensor, and the user's values compared with copies taken before %freeall. Tolerance for
 "back to baseline": 1 MiB (allocator block rounding); every trap's memory is 32 MiB or more, so

@@ -27,7 +27,7 @@ SHAPE = dict(hidden=1024, intermediate=2816, layers=14, heads=16, vocab=32000)  
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from oom_magic.targets import parse_target
+    from oom_magic.fit.targets import parse_target
 
     path = tmp_path_factory.mktemp("models") / "llama-245m-bf16"
     info = build_causal_lm(path, dtype="bfloat16", **SHAPE)
@@ -42,7 +42,7 @@ def _fraction(torch) -> float | None:
 
 
 def test_a_load_too_big_for_the_target_runs_out_under_the_cap(gpu_ip, cuda, oom_observer, checks, model_dir):
-    from oom_magic.targets import memory_fraction_for, parse_target
+    from oom_magic.fit.targets import memory_fraction_for, parse_target
 
     torch = cuda
     path, info = model_dir

@@ -1,0 +1,510 @@
+"""Say who holds each storage: a user variable's path, the output cache, a traceback, garbage.
+
+First match wins, in this order: user → output-cache → traceback → garbage → other.
+The walk (walk.py) reaches objects through the interpreter's own traversal and names only the
+storages found, with C-level reads, so a hostile ``__getattr__``, ``__iter__``, ``__eq__`` or
+``__hash__`` in the user's namespace is never called.
+
+Exact first, then fast: a user-held storage's path is remembered as steps (strings and ints, no
+references); the next scan re-reads each one from its variable and trusts it only if it still
+reaches a tensor of that same storage. Whatever is left gets a walk, which stops as soon as every
+storage left has a holder; the garbage and library-held tests run only for what is left after it.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
+from .roots import Roots
+from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
+from .walk import Root, Walk
+from .names import Namer, render
+from .reads import MISSING, instance_attributes, plain_dict_slot, qualname
+from .resolve import resolve
+
+__all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
+           "attribute", "attribute_reachable", "forget_paths"]
+
+
+def _root_kinds(roots: Roots) -> tuple[tuple[HolderKind, tuple[tuple[str, object], ...]], ...]:
+    """The roots of each kind, in the order their holders win: user, output cache, traceback."""
+    return ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback))
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a storage: the kind, the path to show, and the root it was reached from.
+
+    ``hint``: how to free it where the path alone does not say (an lru cache: ``f.cache_clear()``).
+    """
+
+    kind: HolderKind
+    path: str
+    root: str
+    hint: str | None = None
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The holders found for a set of storages, and whether the walk finished in its budget."""
+
+    holders: dict[int, Holder]
+    complete: bool
+    nodes_walked: int
+    # ids of the output-cache and traceback roots' objects that a user variable also reaches
+    # (cleanup never clears what a user variable holds)
+    user_reachable: frozenset[int]
+
+
+# storage key -> (variable, steps, path text): user-held paths of the last scans, re-checked before use.
+_REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
+_REMEMBER_LIMIT = 1_000_000
+# Steps that resolve() can re-read; a path with any other step is walked again each time.
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad"})
+
+
+def instance_dict(obj: object) -> dict:
+    """An object's ``__dict__`` read through the C slot (no user code runs), or {}.
+
+    ``object.__getattribute__`` skips a user ``__getattr__``, but would still run a ``__dict__``
+    property defined on the class: such classes are read as having no attributes.
+    """
+    return instance_attributes(obj)
+
+
+_plain_dict_slot = plain_dict_slot
+
+
+def forget_paths() -> None:
+    """Drop every remembered path (the next scan walks from scratch)."""
+    _REMEMBERED.clear()
+
+
+@pins_nothing
+def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
+              budget_nodes: int = 10_000_000, budget_seconds: float = 5.0,
+              find_garbage: bool = True, trace_other: bool = True) -> Attribution:
+    """Find a holder for every storage in ``live`` (user → output-cache → traceback → garbage → other)."""
+    with gc_paused():
+        return _attribute(live, roots, torch, tensor_types, budget_nodes=budget_nodes, budget_seconds=budget_seconds,
+                          find_garbage=find_garbage, trace_other=trace_other)
+
+
+def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
+               budget_nodes: int, budget_seconds: float, find_garbage: bool, trace_other: bool) -> Attribution:
+    deadline = time.perf_counter() + budget_seconds
+    holders = _remembered_holders(live, roots)
+    wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
+    skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
+    walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
+    complete = True
+    user_exhausted = False
+    # The stale roots, and each stored exception's tracebacks and frames: cleanup keeps any of
+    # them a user variable reaches (`fr = err.__traceback__.tb_frame`).
+    stale_objects = [o for _, o in roots.output_cache] + _traceback_parts([o for _, o in roots.traceback])
+    user_reached: set[int] = set()
+    try:
+        if wanted:
+            for kind, named in _root_kinds(roots):
+                walk.start(kind, named)
+                walk.run()
+                if kind == USER:
+                    user_exhausted = walk.exhausted
+                    user_reached = _reached(walk, stale_objects)
+                if walk.done or not walk.complete:
+                    break
+            complete = walk.complete
+            holders.update(_name_found(walk, torch, live))
+            _grads(walk, live, torch, holders)
+        nodes = walk.nodes
+    finally:
+        walk.release()
+    if any(h.kind in STALE_KINDS for h in holders.values()) and not user_exhausted:
+        user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
+    unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
+    if unclaimed and find_garbage:
+        for key in _garbage_storages(live, unclaimed):
+            holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
+        unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
+    if unclaimed and trace_other:
+        for key, path in _referrer_chains(live, unclaimed).items():
+            holders.setdefault(key, Holder(OTHER, path, "referrers"))
+    del unclaimed
+    return Attribution(holders, complete, nodes, frozenset(user_reached))
+
+
+_TB_OF = BaseException.__dict__["__traceback__"].__get__  # C-level reads: no user property runs
+_CAUSE_OF = BaseException.__dict__["__cause__"].__get__
+_CONTEXT_OF = BaseException.__dict__["__context__"].__get__
+
+
+def _traceback_parts(objects: list[Any]) -> list[Any]:
+    """The objects, and for exceptions and tracebacks among them every traceback and frame of
+    their chains (causes and contexts included), each once."""
+    found: dict[int, Any] = {}
+    stack = list(objects)
+    while stack:
+        item = stack.pop()
+        if item is None or id(item) in found:
+            continue
+        found[id(item)] = item
+        try:
+            if isinstance(item, BaseException):
+                stack += [_TB_OF(item), _CAUSE_OF(item), _CONTEXT_OF(item)]
+            elif type(item) is types.TracebackType:
+                stack += [item.tb_frame, item.tb_next]
+        except Exception:
+            continue
+    return list(found.values())
+
+
+def _reached(walk: Walk, objects: list[Any]) -> set[int]:
+    """Which of ``objects`` a walk from the user's variables alone reached (a variable itself counts)."""
+    return {id(o) for o in objects if walk.seen(id(o))}
+
+
+def _user_reach(roots: Roots, live: LiveTensors, objects: list[Any], deadline: float,
+                budget_nodes: int) -> set[int]:
+    """Which of ``objects`` the user's variables reach: a full walk, run only when stale memory exists."""
+    walk = Walk(roots.containers + (live.tensors, live.storage_of, sys.modules, roots),
+                deadline=max(deadline, time.perf_counter() + 1.0), budget_nodes=budget_nodes)
+    try:
+        walk.start(USER, roots.user)
+        walk.run()
+        reached = _reached(walk, objects)
+        if not walk.complete:  # not known: count every one as reached (cleanup then leaves it alone)
+            reached = {id(o) for o in objects}
+        return reached
+    finally:
+        walk.release()
+
+
+def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
+    """User-held storages whose remembered path still reaches a tensor of that storage now."""
+    if not _REMEMBERED or not roots.user:
+        return {}
+    variables: dict[str, Any] = {}
+    for name, obj in roots.user:
+        variables.setdefault(name, obj)
+    holders: dict[int, Holder] = {}
+    storage_of = live.storage_of
+    listed: dict[int, Any] = {}  # sets and arrays listed once for every path through them
+    try:
+        for key in live.storages:
+            known = _REMEMBERED.get(key)
+            if known is None:
+                continue
+            name, steps, text, hint = known
+            if name not in variables:
+                continue
+            try:
+                obj = resolve(variables[name], steps, listed, variables)
+            except Exception:
+                continue
+            if obj is not MISSING and storage_of.get(id(obj)) == key:
+                holders[key] = Holder(USER, text, name, hint)
+            del obj
+    finally:
+        listed.clear()
+        variables.clear()
+    return holders
+
+
+def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, Holder]:
+    """Path text for each storage the walk reached (its first tensor's path), remembered for next time."""
+    namer = Namer(walk, getattr(getattr(torch, "nn", None), "Module", None))
+    holders: dict[int, Holder] = {}
+    try:
+        def key_text(obj_id: int) -> str | None:
+            root, steps = namer.steps(obj_id)
+            if root is None:
+                return None
+            return render(root, steps, lambda _: None)
+
+        namer.prepare(walk.found.values())
+        paths = {key: namer.steps(tid) for key, tid in walk.found.items()}
+        # Keys shown by their own path (opt.state[model.fc.weight]): their parents in one more pass.
+        namer.prepare({step[1] for _, steps in paths.values() for step in steps if step[0] == "keypath"})
+        for key, (root, steps) in paths.items():
+            if root is None:
+                continue
+            text = render(root, steps, key_text)
+            hint = _hint(root, steps)
+            holders[key] = Holder(root.kind, text, root.name, hint)
+            if root.kind == USER:
+                steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
+                _remember(key, root.name, steps, text, hint)
+    finally:
+        namer.clear()
+    return holders
+
+
+def _key_at(namer: Namer, step: tuple) -> tuple:
+    """A dict key named by its own path, as a step resolve() can follow: the key's variable and steps."""
+    root, steps = namer.steps(step[1])
+    if root is None or root.kind != USER or not all(s[0] in _RESOLVABLE and s[0] != "keyat" for s in steps):
+        return step  # not re-readable: the path is walked again next time
+    return ("keyat", root.name, steps)
+
+
+def _remember(key: int, name: str, steps: tuple, text: str, hint: str | None) -> None:
+    """Keep a user-held storage's path for the next scan, if every step can be re-read."""
+    if all(s[0] in _RESOLVABLE for s in steps):
+        if len(_REMEMBERED) > _REMEMBER_LIMIT:
+            _REMEMBERED.clear()
+        _REMEMBERED[key] = (name, steps, text, hint)
+
+
+def _hint(root: Root, steps: tuple) -> str | None:
+    """How to free an lru cache's result: ``cached.cache_clear()``."""
+    for i, step in enumerate(steps):
+        if step[0] == "cache" or step == ("", "cache"):
+            return render(root, steps[:i], lambda _: None) + ".cache_clear()"
+    return None
+
+
+def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]) -> None:
+    """Name storages only a reached tensor's ``.grad`` holds (read through TensorBase, no user code)."""
+    left = {key for key in live.storages if key not in holders}
+    if not left or not walk.exhausted:
+        return
+    base = getattr(getattr(torch, "_C", None), "TensorBase", None)
+    disable = getattr(getattr(torch, "_C", None), "DisableTorchFunctionSubclass", None)
+    if base is None or disable is None:
+        return
+    by_id = {id(t): t for t in live.tensors}
+    reached = [by_id[i] for i in set(by_id).intersection(walk.visited) if walk.reached(i) or i in walk.roots]
+    by_id.clear()
+    with disable():
+        for tensor in reached:
+            try:
+                if not base.is_leaf.__get__(tensor):
+                    continue
+                grad = base.grad.__get__(tensor)
+            except Exception:
+                continue
+            key = live.storage_of.get(id(grad)) if grad is not None else None
+            if key is not None and key in left:
+                tensor_key = live.storage_of.get(id(tensor))
+                holder = holders.get(tensor_key) if tensor_key is not None else None
+                if holder is not None:
+                    holders[key] = Holder(holder.kind, holder.path + ".grad", holder.root)
+                    left.discard(key)
+                    known = _REMEMBERED.get(tensor_key) if tensor_key is not None else None
+                    if holder.kind == USER and known is not None and known[0] == holder.root:
+                        _remember(key, holder.root, known[1] + (("grad",),), holder.path + ".grad", None)
+            del grad
+    reached.clear()
+
+
+@pins_nothing
+def attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None, *,
+                        budget_nodes: int = 10_000_000, budget_seconds: float = 5.0) -> tuple[LiveTensors, Attribution]:
+    """The tensors reachable from the roots, and their holders, found by the walk alone (no heap pass).
+
+    What no root reaches (garbage, a library's globals) is not found: a quick view whose cost
+    depends on what the user holds, not on the heap's size. Release the LiveTensors after use.
+    """
+    with gc_paused():
+        return _attribute_reachable(roots, torch, tensor_types, device, budget_nodes, budget_seconds)
+
+
+def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type], device: str | None,
+                         budget_nodes: int, budget_seconds: float) -> tuple[LiveTensors, Attribution]:
+    collect = frozenset(map(id, tensor_types)) | frozenset(map(id, storage_types(torch)))
+    walk = Walk(roots.containers + (sys.modules, roots), collect=collect,
+                deadline=time.perf_counter() + budget_seconds, budget_nodes=budget_nodes)
+    live = LiveTensors([], {}, {}, 0, 0)
+    try:
+        for kind, named in _root_kinds(roots):
+            walk.start(kind, named)
+            for _, obj in named:  # a root that is itself a tensor
+                if id(type(obj)) in collect and id(obj) in walk.roots:
+                    walk.met.append(obj)
+            walk.run()
+            if not walk.complete:
+                break
+        met = list({id(t): t for t in walk.met}.values())
+        walk.met.clear()
+        order = list(map(id, met))  # walk order: the first tensor met names its storage
+        live = group_storages(met, tensor_types, device, walk.nodes)
+        known = _remembered_holders(live, roots)  # re-checked paths need no naming
+        for tid in order:
+            key = live.storage_of.get(tid)
+            if key is not None and key not in walk.found and key not in known:
+                walk.found[key] = tid
+        holders = _name_found(walk, torch, live)
+        holders.update(known)
+        return live, Attribution(holders, walk.complete, walk.nodes, frozenset())
+    except BaseException:
+        live.release()
+        raise
+    finally:
+        walk.release()
+
+
+def _garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
+                      budget_seconds: float = 2.0) -> set[int]:
+    """Storages whose tensors sit in unreachable reference cycles, found without collecting.
+
+    A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
+    runs the collector's own test on the tensors' ancestors: an object is reachable when
+    something outside the ancestor set refers to it (its refcount exceeds the references from
+    inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
+    objects count as reachable, so a tensor is never called garbage by mistake.
+    """
+    deadline = time.perf_counter() + budget_seconds
+    keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
+    # The ancestor list holds the only references we keep, so refcounts can be accounted exactly.
+    ancestors: list[Any] = list(unclaimed)
+    live.tensors[:] = [t for t in live.tensors if id(t) not in keys]
+    unclaimed.clear()
+    index = {id(o): i for i, o in enumerate(ancestors)}
+    external: set[int] = set()
+    frontier = list(ancestors)
+    while frontier:
+        if len(ancestors) > budget_objects or time.perf_counter() > deadline:
+            external.update(id(o) for o in frontier)
+            break
+        ignore = {id(ancestors), id(frontier), id(live.tensors), id(index)}
+        found = gc.get_referrers(*frontier)
+        ignore.add(id(found))
+        frontier = []
+        for referrer in found:
+            if id(referrer) in ignore or id(referrer) in index:
+                continue
+            index[id(referrer)] = len(ancestors)
+            ancestors.append(referrer)
+            if _is_root_like(referrer):
+                external.add(id(referrer))  # module globals, classes, running frames: always reachable
+            else:
+                frontier.append(referrer)
+        del found
+    referrer = None  # the loop variable would count as an outside reference
+    marked = _reachable_ancestors(ancestors, index, external)
+    garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
+    alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
+    live.tensors.extend(o for o in ancestors if id(o) in keys)
+    ancestors.clear()
+    # A storage is garbage only when every tensor viewing it is.
+    return garbage - alive
+
+
+def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
+    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
+    inside = [0] * len(ancestors)
+    for holder in ancestors:
+        for child in gc.get_referents(holder):
+            i = index.get(id(child))
+            if i is not None:
+                inside[i] += 1
+    holder = child = None  # loop variables would add to the refcounts read below
+    # getrefcount's own argument and the ancestors list are the two references we hold.
+    start = [i for i in range(len(ancestors))
+             if id(ancestors[i]) in external or sys.getrefcount(ancestors[i]) - 2 > inside[i]]
+    marked = set(start)
+    while start:
+        for child in gc.get_referents(ancestors[start.pop()]):
+            i = index.get(id(child))
+            if i is not None and i not in marked:
+                marked.add(i)
+                start.append(i)
+    return marked
+
+
+def _is_root_like(obj: Any) -> bool:
+    cls = type(obj)
+    if cls is types.ModuleType or issubclass(cls, type):
+        return True
+    if cls is dict and "__name__" in obj and "__builtins__" in obj:
+        return True  # a module's globals
+    if cls is types.FrameType:
+        return _is_running(obj)
+    return False
+
+
+def _is_running(frame: types.FrameType) -> bool:
+    current: types.FrameType | None = sys._getframe()
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
+def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
+                     budget_seconds: float = 2.0) -> dict[int, str]:
+    """A short chain of referrer types and keys for tensors nothing named holds."""
+    deadline = time.perf_counter() + budget_seconds
+    by_key: dict[int, Any] = {}
+    for t in unclaimed:
+        by_key.setdefault(live.storage_of[id(t)], t)
+    # Our own containers refer to the tensors too: never report them as holders.
+    ours = {id(live.tensors), id(unclaimed), id(by_key), id(sys._getframe())}
+    chains: dict[int, str] = {}
+    for key in sorted(by_key, key=lambda k: -live.storages[k].bytes):
+        if time.perf_counter() > deadline:
+            break
+        try:
+            chains[key] = _chain(by_key[key], ours, hops)
+        except Exception:  # a hostile holder on the way: say so rather than fail the snapshot
+            chains[key] = "<held by an object that could not be inspected>"
+    return chains
+
+
+def _chain(target: Any, ours: set[int], hops: int) -> str:
+    """The Python path from the nearest module global (or outermost holder) down to ``target``."""
+    segments: list[str] = []  # innermost first: how each holder reaches the next target
+    base = "<held outside Python (C++ or an untracked object)>"
+    for _ in range(hops):
+        referrers = [r for r in gc.get_referrers(target)
+                     if id(r) not in ours and type(r) is not types.FrameType]
+        if not referrers:
+            break
+        holder = referrers[0]
+        ours.add(id(referrers))
+        if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
+            base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
+            break
+        segments.append(_segment(holder, target))
+        base = f"<{qualname(type(holder))}>"
+        target = holder
+    else:
+        base = f"…<{qualname(type(target))}>"  # more hops than we follow
+    return base + "".join(reversed(segments))
+
+
+_SHOWN_KEYS = (str, int, float, bool, bytes, type(None))
+
+
+def _is_shown_key(key: object) -> bool:
+    cls = type(key)  # by identity: `in` on a tuple of types would call a metaclass __eq__
+    return any(cls is t for t in _SHOWN_KEYS)
+
+
+def _key_text_of(key: object) -> str:
+    # Only plain keys are shown: repr() of an arbitrary key runs code we do not control.
+    return repr(key) if _is_shown_key(key) else f"<{qualname(type(key))} key>"
+
+
+def _key_of(mapping: dict, target: Any) -> str:
+    key = next((k for k, v in list(mapping.items()) if v is target), "?")
+    return key if type(key) is str else _key_text_of(key)
+
+
+def _segment(holder: Any, target: Any) -> str:
+    """How ``holder`` refers to ``target``, as a path segment (``['key']``, ``[3]``, ``.attr``)."""
+    cls = type(holder)
+    if cls is dict:
+        found = [k for k, v in list(holder.items()) if v is target][:1]
+        return f"[{_key_text_of(found[0])}]" if found else "[<key>]"
+    if cls is list or cls is tuple:
+        index = next((i for i, v in enumerate(holder) if v is target), "?")
+        return f"[{index}]"
+    attr = next((k for k, v in list(instance_dict(holder).items()) if v is target), None)
+    return f".{attr}" if type(attr) is str else f"→{qualname(cls)}"

@@ -1,0 +1,419 @@
+"""Name the way to an object the walk reached: the steps from its root (``Namer``) and the text a
+user would type for them (``render``: ``model.layers[3].mlp.up_proj.weight``, ``d['k'][2]``).
+
+Each parent-to-child link is found with C-level reads (dict items, sequence indexes, member
+descriptors, a frame's locals) and kept as *steps* (plain strings and ints, no references), which
+``walk_resolve.resolve`` re-reads later to check a remembered path still reaches the same object.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import types
+from itertools import compress, count
+from typing import Any
+from collections.abc import Callable, Iterable
+
+from .walk import Root, Walk
+from .reads import (MISSING, array_items, deque_iter, deque_type, find_referent, instance_attributes,
+                         instance_dict_if_present, is_plain_key, mapping_items, mro_has, plain_dict_slot, qualname,
+                         read_attribute, type_mro, type_name)
+
+# Paths longer than this many steps are shown with their middle elided.
+MAX_SHOWN_STEPS = 64
+_MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
+
+
+# -- naming ------------------------------------------------------------------------------------
+# A step is a tuple: ("attr", name) an attribute or slot; ("key", k) a dict value by a plain key;
+# ("keytype", "Type") a dict value by a key shown by its type; ("keypath", id) a dict value keyed by
+# an object named elsewhere (a parameter); ("iskey", "Type") the dict key itself; ("index", i);
+# ("member", i) a set's i-th member; ("closure", i) a closure cell's contents; ("local", fn, name);
+# ("cache",) an lru cache's result; ("flat", i) an object array's i-th item; ("via", "Type") an
+# unnamed link; ("", ) a step shown as nothing (an instance's __dict__, a traceback).
+Step = tuple
+
+
+class Namer:
+    """Turns the walk's parent links into steps, for the objects asked about, with memoised prefixes."""
+
+    def __init__(self, walk: Walk, module_type: type | None) -> None:
+        self.walk = walk
+        self.module_type = module_type
+        self._links: dict[int, tuple[Step, ...]] = {}  # id(child) -> the steps from its parent
+        self.parent_of: dict[int, Any] = {}  # id -> parent (or Root), for the objects asked about
+        self._reverse: dict[int, dict[int, Any]] = {}  # id(container) -> id(child) -> its key/index
+        self._shapes: dict[int, str] = {}
+        self._shape_types: list[type] = []  # keeps the types whose ids key _shapes alive
+        self._member_cache: dict[int, list[tuple[str, Any]]] = {}
+        self._by_parent: dict[int, set[int]] = {}
+        self._by_parent_size = -1
+        self._candidates: dict[int, list[str]] = {}
+
+    def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
+        """The root and the steps from it to the object with this id (None root: not reached).
+
+        Each link is read once and kept per object (memory linear in the path's length), never a
+        whole path per level: a 200,000-node linked list costs 200,000 links, not their squares.
+        """
+        chain_ids: list[int] = []
+        node = obj_id
+        parent = self.parent_of
+        if node not in parent:
+            self.prepare((node,))
+        while True:
+            up = parent.get(node)
+            if up is None:
+                return None, ()
+            if type(up) is Root:
+                break
+            chain_ids.append(node)
+            node = id(up)
+        links = self._links
+        steps: list[Step] = []
+        forward = chain_ids[::-1]
+
+        def link_of(child_id: int) -> tuple[Step, ...]:
+            link = links.get(child_id)
+            if link is None:
+                link = links[child_id] = tuple(self._link(parent[child_id], child_id))
+            return link
+
+        if len(forward) <= MAX_SHOWN_STEPS:
+            at = 0
+            while at < len(forward):
+                column = self._pandas_column(forward, at)
+                if column is not None:  # df -> _mgr -> blocks -> block -> values -> item: df['emb'].iloc[i]
+                    steps.append(column)
+                    at += 5
+                    continue
+                steps.extend(link_of(forward[at]))
+                at += 1
+            return up, tuple(steps)
+        # Only the ends are shown (8 visible steps each): the middle is never read.
+        head: list[Step] = []
+        at = 0
+        while at < len(forward) and sum(map(_visible, head)) < 8:
+            head.extend(link_of(forward[at]))
+            at += 1
+        tail: list[Step] = []
+        end = len(forward)
+        while end > at and sum(map(_visible, tail)) < 8:
+            end -= 1
+            tail[:0] = link_of(forward[end])
+        steps = head + ([("elide",)] if end > at else []) + tail
+        return up, tuple(steps)
+
+    def _link(self, parent: Any, child_id: int) -> list[Step]:
+        """How ``parent`` refers to the object with id ``child_id``, read at C level."""
+        try:
+            return self._link_unsafe(parent, child_id)
+        except Exception:
+            return [("via", qualname(type(parent)))]
+
+    def _shape_of(self, cls: type) -> str:
+        """Which kind of link reading applies to instances of ``cls`` (decided once per type)."""
+        known = self._shapes.get(id(cls))
+        if known is not None:
+            return known
+        shape = "inst"
+        exact = {types.FunctionType: "func", types.FrameType: "frame", types.TracebackType: "tb",
+                 types.CellType: "cell"}
+        for t, name in exact.items():
+            if cls is t:
+                shape = name
+                break
+        else:
+            ndarray = self.walk.ndarray
+            for base, name in ((dict, "dict"), (list, "list"), (tuple, "tuple"), (deque_type(), "deque"),
+                               (set, "set"), (frozenset, "frozenset"), (ndarray, "ndarray"),
+                               (BaseException, "exc")):
+                if base is not None and mro_has(cls, base):
+                    shape = name
+                    break
+            if shape == "inst" and type_name(cls) == "_lru_cache_wrapper":
+                shape = "lru"
+        self._shapes[id(cls)] = shape
+        self._shape_types.append(cls)
+        return shape
+
+    def _members(self, cls: type) -> list[tuple[str, Any]]:
+        """The slots and C members along ``cls``'s MRO, read from the class dicts (no user code)."""
+        known = self._member_cache.get(id(cls))
+        if known is None:
+            known = [(name, value) for klass in type_mro(cls) for name, value in mapping_items(klass)
+                     if type(value) is types.MemberDescriptorType and type(name) is str]
+            self._member_cache[id(cls)] = known
+        return known
+
+    def _inline_name(self, obj: Any, cls: type, child_id: int) -> str | None:
+        """The attribute holding the child, tried by the names the class's methods assign
+        (``self.x = ...``), read without making the instance's ``__dict__``."""
+        if not plain_dict_slot(cls):
+            return None
+        names = self._candidates.get(id(cls))
+        if names is None:
+            names = self._candidates[id(cls)] = _assigned_names(cls)
+        for name in names:
+            value = read_attribute(obj, name)
+            if value is not MISSING and id(value) == child_id:
+                return name
+        return None
+
+    def _link_unsafe(self, parent: Any, child_id: int) -> list[Step]:
+        cls = type(parent)
+        shape = self._shape_of(cls)
+        if shape == "func":
+            closure = parent.__closure__
+            if closure is not None and id(closure) == child_id:
+                return [("", "__closure__")]
+            if id(parent.__defaults__) == child_id:
+                return [("attr", "__defaults__")]
+            if id(parent.__kwdefaults__) == child_id:
+                return [("attr", "__kwdefaults__")]
+            return [("",)]  # its __dict__: the next step is an attribute
+        if shape == "frame":
+            local = parent.f_locals
+            names = self._reverse_map(parent, local, child_id) if type(local) is dict else {}
+            return [("local", parent.f_code.co_name, names.get(child_id, "?"))]
+        if shape == "tb":
+            return [("tb",)]
+        if shape == "cell":
+            return [("cell",)]
+        if shape == "dict":
+            values = self._reverse_map(parent, parent, child_id)
+            if child_id in values:
+                return [self._key_step(values[child_id])]
+            for key in dict.keys(parent):
+                if id(key) == child_id:
+                    return [("iskey", qualname(type(key)))]
+            return [("via", qualname(cls))]
+        if shape == "tuple" and self._is_closure_of_parent(parent):
+            return [("closure", self._index_of(parent, child_id, tuple.__iter__))]
+        if shape == "list" or shape == "tuple" or shape == "deque":
+            it = list.__iter__ if shape == "list" else tuple.__iter__ if shape == "tuple" else deque_iter()
+            return [("index", self._index_of(parent, child_id, it))]
+        if shape == "set" or shape == "frozenset":
+            it = set.__iter__ if shape == "set" else frozenset.__iter__
+            return [("member", self._index_of(parent, child_id, it))]
+        if shape == "ndarray":
+            ndarray = self.walk.ndarray
+            index = self._index_of(parent, child_id, lambda a: iter(array_items(a, ndarray)))
+            return [("flat", index, ndarray.ndim.__get__(parent))]
+        if shape == "lru":
+            d = instance_dict_if_present(parent)
+            if d is not None and id(d) == child_id:
+                return [("",)]
+            if type(find_referent(gc.get_referents(parent), child_id)) is dict:
+                return [("", "cache")]
+            return [("cache",)]
+        if shape == "exc":
+            for name in ("args", "__traceback__", "__cause__", "__context__"):
+                value = BaseException.__dict__[name].__get__(parent)
+                if id(value) == child_id:
+                    return [("",)] if name == "__traceback__" else [("attr", name)]
+        # An instance: a slot or C member, its __dict__ (already there), or an inline attribute.
+        for name, member in self._members(cls):
+            try:
+                if id(member.__get__(parent, cls)) == child_id:
+                    return [("attr", name)]
+            except Exception:
+                continue
+        d = instance_dict_if_present(parent)
+        if d is not None and id(d) == child_id:
+            return [("",)]
+        inline = self._inline_name(parent, cls, child_id)
+        if inline is not None:
+            return [("attr", inline)]
+        # Last resort: the instance's dict (made now on 3.11+ if its attributes were inline; only
+        # for an object on a path being shown, whose attribute no method of its class names).
+        d = instance_attributes(parent)
+        if d:
+            for name, value in dict.items(d):
+                if id(value) == child_id and type(name) is str:
+                    return [("attr", name)]
+        return [("via", qualname(cls))]
+
+    def _pandas_column(self, forward: list[int], at: int) -> Step | None:
+        """``('pandas', column, row)`` where the path goes from a DataFrame through a block's values.
+
+        Read through pandas' own attributes (library code, exact DataFrame type only); any doubt
+        and the path is shown link by link instead.
+        """
+        if at + 4 >= len(forward):
+            return None
+        frame: Any = self.parent_of.get(forward[at])
+        cls = type(frame)
+        if type_name(cls) != "DataFrame" or getattr(sys.modules.get("pandas"), "DataFrame", None) is not cls:
+            return None
+        try:
+            parent_of = self.parent_of
+            block, array = parent_of[forward[at + 3]], parent_of[forward[at + 4]]
+            ndarray = self.walk.ndarray
+            if ndarray is None or type(array) is not ndarray or array.ndim != 2 or array is not block.values:
+                return None
+            index = self._index_of(array, forward[at + 4], lambda a: iter(array_items(a, ndarray)))
+            rows = array.shape[1]
+            position = int(block.mgr_locs.as_array[index // rows])
+            label = frame.columns[position]
+            if not is_plain_key(label):
+                return None
+            return ("pandas", label, index % rows)
+        except Exception:
+            return None
+
+    def prepare(self, ids: Iterable[int]) -> None:
+        """Read the parents of these objects and their ancestors back from the walk, in one pass."""
+        wanted = [i for i in ids if i not in self.parent_of]
+        if wanted:
+            self.parent_of.update(self.walk.parents_of(wanted))
+
+    def _is_closure_of_parent(self, tup: Any) -> bool:
+        up = self.parent_of.get(id(tup))
+        return type(up) is types.FunctionType and up.__closure__ is tup
+
+    def _key_step(self, key: Any) -> Step:
+        if is_plain_key(key):
+            return ("key", key)
+        if self.walk.reached(id(key)) or id(key) in self.walk.roots:
+            return ("keypath", id(key), qualname(type(key)))
+        return ("keytype", qualname(type(key)))
+
+    def _needed(self, container: Any, child_id: int) -> set[int]:
+        """Ids of the children of ``container`` on the paths being named (so a huge container is
+        searched once, in a C-level pass, for just those)."""
+        if self._by_parent_size != len(self.parent_of):
+            by_parent: dict[int, set[int]] = {}
+            for cid, up in self.parent_of.items():
+                by_parent.setdefault(id(up), set()).add(cid)
+            self._by_parent, self._by_parent_size = by_parent, len(self.parent_of)
+        return self._by_parent.get(id(container), set()) | {child_id}
+
+    def _reverse_map(self, container: Any, mapping: dict, child_id: int) -> dict[int, Any]:
+        """id(value) -> its key in ``mapping`` for the children being named (the first key wins)."""
+        cached = self._reverse.get(id(container))
+        if cached is None or child_id not in cached:
+            needed = self._needed(container, child_id)
+            mask = list(map(needed.__contains__, map(id, dict.values(mapping))))
+            keys = list(compress(dict.keys(mapping), mask))
+            values = list(compress(dict.values(mapping), mask))
+            cached = dict(zip(map(id, reversed(values)), reversed(keys)))
+            self._reverse[id(container)] = cached
+        return cached
+
+    def _index_of(self, container: Any, child_id: int, iterate: Callable[[Any], Any]) -> int:
+        """The position of a child in a sequence, set or array (found with those of its siblings being named)."""
+        cached = self._reverse.get(id(container))
+        if cached is None or child_id not in cached:
+            needed = self._needed(container, child_id)
+            items = list(iterate(container))
+            cached = {}
+            for at in reversed(list(compress(count(), map(needed.__contains__, map(id, items))))):
+                cached[id(items[at])] = at  # reversed: the first position wins
+            del items
+            self._reverse[id(container)] = cached
+        return cached.get(child_id, -1)
+
+    def clear(self) -> None:
+        self._links.clear()
+        self.parent_of.clear()
+        self._reverse.clear()
+        self._shapes.clear()
+        self._shape_types.clear()
+        self._member_cache.clear()
+        self._candidates.clear()
+
+
+def _visible(step: Step) -> bool:
+    return not (step[0] in ("", "tb", "cell") and len(step) == 1)
+
+
+def _assigned_names(cls: type) -> list[str]:
+    """Names the functions in ``cls``'s MRO dicts use as attributes (``co_names``), in order, once each."""
+    seen: dict[str, None] = {}
+    try:
+        for klass in type_mro(cls):
+            if klass is object:
+                continue
+            for _, value in mapping_items(klass):
+                if type(value) is types.FunctionType:
+                    code = value.__code__
+                    for name in code.co_names:
+                        if type(name) is str:
+                            seen.setdefault(name)
+    except Exception:
+        pass
+    return list(seen)
+
+
+# How the other steps read, the step's fields filling the blanks ({1} is step[1]).
+_STEP_TEXT = {"keytype": "[<{1} key>]", "iskey": ".keys()[<{1}>]", "index": "[{1}]", "member": "{{#{1}}}",
+              "closure": "[{1}]", "cell": ".cell_contents", "tb": "", "local": " → frame {1} → local {2}",
+              "cache": ".cache[…]", "via": "→{1}", "elide": " … "}
+
+
+# -- showing and re-reading steps -----------------------------------------------------------------
+def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | None],
+           module_type: type | None = None) -> str:
+    """The path text a user would type: ``model.layers[3].mlp.up_proj.weight``, ``d['k'][2]``."""
+    parts: list[str] = [root.name]
+    as_attr = False  # the next key step names an attribute (an instance's or a module's __dict__)
+    module_child = False  # the next key step names a module's parameter, buffer or submodule
+    for step in steps:
+        tag = step[0]
+        text = ""
+        if tag == "":
+            if len(step) > 1 and step[1] == "__closure__":
+                text = ".__closure__"
+            elif len(step) > 1 and step[1] == "cache":
+                text = ".cache"
+            as_attr = len(step) == 1
+            parts.append(text)
+            continue
+        if tag == "key":
+            key = step[1]
+            if module_child and type(key) is str:
+                text = f"[{key}]" if key.isdigit() else f".{key}"
+            elif as_attr and type(key) is str and key.isidentifier():
+                text = f".{key}"
+            elif as_attr and type(key) is str:  # an attribute no `obj.name` can spell: as it is reached
+                text = f".__dict__[{_key_repr(key)}]"
+            else:
+                text = f"[{_key_repr(key)}]"
+            module_child = as_attr and type(key) is str and key in _MODULE_CHILD_DICTS
+            if module_child:
+                parts.append("")
+                as_attr = False
+                continue
+        elif tag == "attr":
+            text = f".{step[1]}"
+            module_child = step[1] in _MODULE_CHILD_DICTS
+            if module_child:
+                parts.append("")
+                as_attr = False
+                continue
+        else:
+            module_child = False
+            if tag == "keypath":
+                key_shown = key_text(step[1])
+                text = f"[{key_shown}]" if key_shown is not None else f"[<{step[2]} key>]"
+            elif tag == "flat":
+                text = f"[{step[1]}]" if len(step) > 2 and step[2] == 1 else f".flat[{step[1]}]"
+            elif tag == "pandas":
+                text = f"[{_key_repr(step[1])}].iloc[{step[2]}]"
+            elif tag in _STEP_TEXT:
+                text = _STEP_TEXT[tag].format(*step)
+        as_attr = False
+        parts.append(text)
+    shown = [p for p in parts[1:] if p]
+    if len(shown) > MAX_SHOWN_STEPS:
+        shown = shown[:8] + [" … "] + shown[-8:]
+    return parts[0] + "".join(shown)
+
+
+def _key_repr(key: Any) -> str:
+    try:
+        text = repr(key)  # plain keys only: str, int, float, bool, bytes, None
+    except Exception:
+        return f"<{qualname(type(key))} key>"
+    return text if len(text) <= 80 else text[:77] + "..."

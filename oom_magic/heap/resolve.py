@@ -1,0 +1,157 @@
+"""Re-read a remembered path: follow its steps from the variable with C-level reads, running no code."""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from .names import Step
+from .reads import MISSING, array_items, deque_type, function_dict, is_plain_key, mro_has, read_attribute
+
+def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = None,
+            variables: dict[str, Any] | None = None) -> Any:
+    """Follow remembered steps from ``obj`` with C-level reads; MISSING where a step no longer holds.
+
+    Only steps that can be re-read without running code are followed (plain dict keys, indexes,
+    instance attributes and slots, closure cells, set members and object-array items by position);
+    any other step fails, so the caller walks. ``items``: id(container) -> (container, its items),
+    shared by the paths checked in one scan (a set is listed once, not once per path); the caller
+    clears it. ``variables``: name -> object, for a dict value keyed by an object that has a path of
+    its own (``("keyat", variable, steps)``: the key is found by identity, never hashed).
+    """
+    pending_attr = False
+    for step in steps:
+        tag = step[0]
+        if tag == "":
+            if len(step) > 1 and step[1] == "__closure__":
+                if type(obj) is not types.FunctionType or obj.__closure__ is None:
+                    return MISSING
+                obj = obj.__closure__
+                continue
+            if len(step) > 1:
+                return MISSING
+            if type(obj) is types.FunctionType:
+                obj = function_dict(obj) or {}
+                continue
+            pending_attr = True
+            continue
+        if tag == "key":
+            if pending_attr:
+                pending_attr = False
+                obj = read_attribute(obj, step[1])
+            elif type(obj) is dict or mro_has(type(obj), dict) and is_plain_key(step[1]):
+                obj = dict.get(obj, step[1], MISSING)
+            else:
+                return MISSING
+        elif tag == "attr":
+            obj = read_attribute(obj, step[1])
+        elif tag == "index":
+            cls = type(obj)
+            try:
+                if cls is list or cls is tuple:
+                    obj = obj[step[1]]
+                elif mro_has(cls, list):
+                    obj = list.__getitem__(obj, step[1])
+                elif mro_has(cls, tuple):
+                    obj = tuple.__getitem__(obj, step[1])
+                elif mro_has(cls, deque_type()):
+                    listed = _listed(obj, "index", items)
+                    if listed is None or not 0 <= step[1] < len(listed):
+                        return MISSING
+                    obj = listed[step[1]]
+                else:
+                    return MISSING
+            except IndexError:
+                return MISSING
+        elif tag == "keyat":
+            if variables is None or step[1] not in variables or not mro_has(type(obj), dict):
+                return MISSING
+            key = resolve(variables[step[1]], step[2], items, None)
+            if key is MISSING:
+                return MISSING
+            by_key = _values_by_key_identity(obj, items)
+            obj = by_key.get(id(key), MISSING)
+            if obj is not MISSING and obj[0] is not key:
+                return MISSING
+            obj = obj[1] if obj is not MISSING else MISSING
+        elif tag == "grad":
+            obj = _tensor_grad(obj)
+        elif tag == "member" or tag == "flat":
+            listed = _listed(obj, tag, items)
+            if listed is None or not 0 <= step[1] < len(listed):
+                return MISSING
+            obj = listed[step[1]]
+        elif tag == "closure":
+            if not mro_has(type(obj), tuple):
+                return MISSING
+            try:
+                obj = tuple.__getitem__(obj, step[1])
+            except IndexError:
+                return MISSING
+        elif tag == "cell":
+            if type(obj) is not types.CellType:
+                return MISSING
+            try:
+                obj = obj.cell_contents
+            except ValueError:
+                return MISSING
+        else:
+            return MISSING
+        if obj is MISSING:
+            return MISSING
+    return MISSING if pending_attr else obj
+
+
+def _values_by_key_identity(mapping: dict, items: dict[Any, Any] | None) -> dict[int, tuple[Any, Any]]:
+    """id(key) -> (key, value) for a dict, built once per scan: keys matched by identity, not hash."""
+    known = items.get(("keys", id(mapping))) if items is not None else None
+    if known is not None and known[0] is mapping:
+        return known[1]
+    keys = list(dict.keys(mapping))
+    by_key = dict(zip(map(id, keys), zip(keys, dict.values(mapping))))
+    if items is not None:
+        items[("keys", id(mapping))] = (mapping, by_key)
+    return by_key
+
+
+def _tensor_grad(tensor: Any) -> Any:
+    """A leaf tensor's ``.grad`` read through TensorBase with subclass code off; MISSING if none."""
+    torch: Any = sys.modules.get("torch")
+    try:
+        base = torch._C.TensorBase
+        if not mro_has(type(tensor), base):
+            return MISSING
+        with torch._C.DisableTorchFunctionSubclass():
+            if not base.is_leaf.__get__(tensor):
+                return MISSING
+            grad = base.grad.__get__(tensor)
+    except Exception:
+        return MISSING
+    return MISSING if grad is None else grad
+
+
+def _listed(obj: Any, tag: str, items: dict[int, tuple[Any, list[Any]]] | None) -> list[Any] | None:
+    """A set's members, a deque's items or an object array's items, in iteration order (C-level)."""
+    known = items.get(id(obj)) if items is not None else None
+    if known is not None and known[0] is obj:
+        return known[1]
+    cls = type(obj)
+    if tag == "member":
+        if cls is set or cls is frozenset:
+            listed = list(obj)
+        elif mro_has(cls, set):
+            listed = list(set.__iter__(obj))
+        elif mro_has(cls, frozenset):
+            listed = list(frozenset.__iter__(obj))
+        else:
+            return None
+    elif tag == "flat":
+        ndarray = getattr(sys.modules.get("numpy"), "ndarray", None)
+        if ndarray is None or not mro_has(cls, ndarray):
+            return None
+        listed = array_items(obj, ndarray)
+    else:
+        listed = list(deque_type().__iter__(obj))
+    if items is not None:
+        items[id(obj)] = (obj, listed)
+    return listed

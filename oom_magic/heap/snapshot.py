@@ -1,0 +1,111 @@
+"""Take a snapshot of a device: its reading, its live storages and who holds each one.
+
+The record it returns (``Snapshot``) lives in ``records.snapshot``; it is re-exported here.
+"""
+from __future__ import annotations
+
+import time
+
+from ..common._torch import loaded_torch
+from ..device.reading import DeviceReading, read_device, resolve_device
+from .holders import attribute, attribute_reachable
+from ..device.mapped import mapped_bytes
+from ..device.nvml import Nvml
+from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
+from ..records.snapshot import HOLDER_KINDS, USER, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
+from .roots import Roots, collect_roots
+from .tracker import find_tensors, pins_nothing, tensor_types
+
+__all__ = ["HOLDER_KINDS", "HolderGroup", "KERNEL_LOOKUP_TIMEOUT", "Snapshot", "snapshot"]
+
+@pins_nothing
+def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvml | None = None,
+             top: int = 10, find_garbage: bool = True, heap_scan: bool = True,
+             budget_seconds: float = 5.0, name_kernels: bool = False) -> Snapshot:
+    """Read ``device`` and attribute every live tensor storage on it to its holder.
+
+    ``heap_scan=False`` is the quick view the after-cell hook uses on big heaps: only what the
+    user's variables, the output cache and stored tracebacks reach is found (no ``gc`` pass), so
+    garbage and library-held tensors are left out, and a note says so. ``name_kernels`` asks this
+    user's Jupyter servers which notebooks the other processes on the device belong to (%gpumem).
+    """
+    started = time.perf_counter()
+    where = resolve_device(device, nvml)
+    reading = read_device(where, nvml)
+    kernels = _kernels_on(reading) if name_kernels else ()
+    torch = loaded_torch()
+    if torch is None:
+        return Snapshot(where, reading, (), (), time.perf_counter() - started, 0, True,
+                        ("torch is not imported in this process: no tensors to attribute",), top, kernels=kernels)
+    roots = roots if roots is not None else collect_roots()
+    types = tensor_types(torch)
+    if heap_scan:
+        live = find_tensors(torch, where)
+        try:
+            attribution = attribute(live, roots, torch, types, find_garbage=find_garbage,
+                                    budget_seconds=budget_seconds)
+        except BaseException:
+            live.release()
+            raise
+    else:
+        live, attribution = attribute_reachable(roots, torch, types, where, budget_seconds=budget_seconds)
+    try:
+        holders = attribution.holders
+        storages = tuple(
+            StorageRecord(r.key, r.device, r.bytes, r.dtype, r.shape, r.tensor_count, h.kind, h.path, r.address)
+            if (h := holders.get(key)) else r
+            for key, r in live.storages.items()
+        )
+    finally:
+        live.release()
+    totals: dict[HolderKind, int] = {kind: 0 for kind in HOLDER_KINDS}
+    for record in storages:
+        totals[record.holder_kind] += record.bytes
+    notes: list[str] = []
+    if not heap_scan:
+        notes.append(f"quick view: heap scan skipped, only what your variables, the output cache and stored "
+                     f"tracebacks reach is counted ({attribution.nodes_walked:,} objects walked); garbage and "
+                     f"library-held tensors are not — %gpumem scans the whole heap")
+    if not attribution.complete:
+        notes.append(f"holder walk stopped after {attribution.nodes_walked:,} objects: "
+                     + ("some holders are shown as 'other'" if heap_scan else "tensors beyond it are not counted"))
+    if live.byteless:
+        notes.append(f"{live.byteless} meta/fake tensors hold no device bytes and are not counted")
+    if live.unreadable:
+        notes.append(f"{live.unreadable} tensors' storage could not be read and is not counted "
+                     "(a wrapper subclass holds none of its own; its inner tensors are counted)")
+    # How to free what a path alone does not say how to (an lru cache: `cached.cache_clear()`), once each.
+    hints = dict.fromkeys(h.hint for h in holders.values() if h.hint)
+    notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
+    user_mapped = None
+    if where == "cpu":
+        user_mapped = mapped_bytes((r.address, r.bytes) for r in storages if r.holder_kind == USER and r.address)
+        if user_mapped:
+            notes.append(f"{format_bytes(user_mapped)} of user is mapped from files (weights loaded in their "
+                         "stored dtype): resident only once read, and deleting them gives no resident memory back")
+    storages = tuple(sorted(storages, key=lambda r: -r.bytes))
+    return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
+                    live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan,
+                    kernels=kernels, user_mapped_bytes=user_mapped)
+
+
+# Seconds each Jupyter server may take to name its kernels (at most one second in all per server).
+KERNEL_LOOKUP_TIMEOUT = 0.5
+
+
+def _kernels_on(reading: DeviceReading) -> tuple[tuple[int, KernelInfo], ...]:
+    """Which other processes on the device are kernels of this user's Jupyter servers, with their notebooks.
+
+    Asked only for this user's processes that look like kernels (another user's process is never
+    looked into), at most KERNEL_LOOKUP_TIMEOUT per server; an unreachable server names nothing.
+    """
+    pids = [p.pid for p in reading.processes if p.is_jupyter_kernel and not p.is_self and p.note is None]
+    if not pids:
+        return ()
+    try:
+        from ..device.jupyter_kernels import find_jupyter_kernels
+
+        found = find_jupyter_kernels(pids, timeout=KERNEL_LOOKUP_TIMEOUT)
+    except Exception:  # naming a notebook is a nicety: the table shows the pid without it
+        return ()
+    return tuple(sorted(found.items()))

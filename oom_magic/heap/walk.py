@@ -1,0 +1,446 @@
+"""Reach what the roots hold through the interpreter's own traversal, and name the way to a few objects.
+
+The walk is breadth-first over ``gc.get_referents`` (each type's C-level ``tp_traverse``), so
+no Python code of the user's ever runs and every holder is reached (deques, lru caches,
+``functools.partial``, closures, slots, C extension containers) without per-type code. It
+works a level at a time in bulk C-level passes (``map``, ``compress``, set difference on ids),
+keeps the id of each object visited and, in the order reached, its parent; it never hashes or compares a
+user's object or type: membership is by ``id``.
+
+Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
+through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
+a frame through its locals. Untracked numpy object arrays are expanded by their items. Paths
+through a dict's *keys* are taken only after everything reachable through values, attributes and
+indexes (an optimizer's ``state`` is keyed by the parameters a model names).
+
+Names are made after the walk, for the objects asked about only: each parent-to-child link is
+found with C-level reads (dict items, sequence indexes, member descriptors, a frame's locals) and
+kept as *steps* (plain strings and ints, no references), which ``resolve`` re-reads later to
+check a remembered path still reaches the same object.
+
+Naming is ``walk_names`` (``Namer`` writes the steps, ``render`` shows them), re-reading a
+remembered path is ``walk_resolve``, and the C-level reads all three use are ``walk_reads``.
+"""
+from __future__ import annotations
+
+import gc
+import operator
+import sys
+import time
+import types
+from itertools import chain, compress, count, islice, repeat
+from typing import Any
+from collections.abc import Iterable
+
+from ..records.snapshot import HolderKind
+from .reads import array_items, deque_type, function_dict, mro_has, type_mro
+
+# What the walk does with an object, decided once per type (by the type's id; ``classify``).
+# Plain ints compared with ==: the dispatch runs once per kind present in a slice, and
+# ``compress(level, map(kind.__eq__, kinds))`` selects each kind's objects in one C-level pass.
+GENERIC = 0   # its gc.get_referents
+DICT = 1      # its values (keys after everything else, when any is tracked)
+FUNCTION = 2  # closure, defaults and __dict__ (never __globals__)
+FRAME = 3     # its locals
+NDARRAY = 4   # an object array's items
+SKIP = 5      # never entered: modules, classes, code, builtins, descriptors
+LATER = 6     # walked after every other object of its level is done (see _later_types)
+SEQ = 7       # an exact builtin list, tuple, set, frozenset or deque
+# Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
+SLICE = 8192
+# Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
+NARROW = 4
+
+_SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
+               types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
+               types.MemberDescriptorType, types.ClassMethodDescriptorType, property, staticmethod,
+               classmethod, types.MappingProxyType)
+
+
+class Root:
+    """A starting point of the walk: its holder kind and the name the user knows it by."""
+
+    __slots__ = ("kind", "name")
+
+    def __init__(self, kind: HolderKind, name: str) -> None:
+        self.kind, self.name = kind, name
+
+
+def classify(cls: type, ndarray: type | None, later: tuple[type, ...] = ()) -> int:
+    """Which branch of the walk handles instances of ``cls``."""
+    if cls is dict:
+        return DICT
+    if cls is list or cls is tuple or cls is set or cls is frozenset or cls is deque_type():
+        return SEQ  # exact builtin containers: len() and iteration are their own C code
+    if cls is types.FunctionType:
+        return FUNCTION
+    if cls is types.FrameType:
+        return FRAME
+    try:
+        mro = type_mro(cls)
+    except Exception:
+        return SKIP
+    for base in mro:
+        if base is type or any(base is s for s in _SKIP_TYPES):
+            return SKIP
+    if ndarray is not None and any(k is ndarray for k in mro):
+        return NDARRAY
+    if any(k is dict for k in mro):
+        return DICT
+    if later and any(k is base for k in mro for base in later):
+        return LATER
+    return GENERIC
+
+
+def _later_types() -> tuple[type, ...]:
+    """Holders whose paths a user recognises less than a model's: an optimizer holds the parameters too."""
+    optim = sys.modules.get("torch.optim")
+    optimizer = getattr(optim, "Optimizer", None) if optim is not None else None
+    return (optimizer,) if isinstance(optimizer, type) else ()
+
+
+class Walk:
+    """One breadth-first walk: ``visited`` holds the id of every object reached, and the walk keeps,
+    in the order reached, segments of (ids, parents) from which ``parents_of`` reads paths back.
+
+    ``skip``: objects never entered (the namespace dicts, the shell, our own lists). ``wanted``:
+    ids of the tensors whose storages need a holder (id -> storage key); the walk stops once each
+    of those storages is reached. ``collect``: tensor type ids whose instances are gathered as met
+    (the quick view, which has no heap pass).
+    """
+
+    def __init__(self, skip: Iterable[object], *, wanted: dict[int, int] | None = None,
+                 collect: frozenset[int] | None = None, deadline: float = float("inf"),
+                 budget_nodes: int = 10_000_000) -> None:
+        numpy = sys.modules.get("numpy")
+        self.ndarray: Any = getattr(numpy, "ndarray", None)  # numpy.ndarray, or None without numpy
+        self._nd_id = id(self.ndarray) if self.ndarray is not None else -1
+        self._skip = frozenset(map(id, skip))
+        self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
+        self.roots: dict[int, Root] = {}
+        # (ids, their parents, whether a parent may sit in the same segment): a parent is always
+        # reached before its children, so one backwards pass finds every ancestor of a set of ids.
+        self._segments: list[tuple[list[int], list[Any], bool]] = []
+        self.wanted = wanted if wanted is not None else {}
+        self._wanted_ids = set(self.wanted)
+        self.storages_left = len(set(self.wanted.values()))
+        self.found: dict[int, int] = {}  # storage key -> id(first tensor reaching it)
+        self.collect = collect
+        self.met: list[Any] = []  # tensors met (collect mode)
+        self.deadline = deadline
+        self.budget_nodes = budget_nodes
+        self.complete = True   # False: stopped by the deadline or the node budget
+        self.exhausted = False  # True: everything reachable from the roots given was walked
+        self.nodes = 0
+        self._cats: dict[int, int] = {}
+        self._types: list[type] = []  # keeps classified types alive while their ids are cached
+        self._level: list[Any] = []
+        self._keys: list[Any] = []  # dict keys met, walked after values (objects and their dicts)
+        self._key_parents: list[Any] = []
+        self._frames: list[Any] = []  # locals dicts read from frames: kept alive while ids are in use
+        self._later: list[Any] = []  # reached optimizers, entered once everything else is walked
+        self._big: list[Any] = []  # containers too big to read in one pass, read in slices
+        self._later_types = _later_types()
+
+    # -- walking -------------------------------------------------------------------------------
+    def start(self, kind: HolderKind, roots: Iterable[tuple[str, object]]) -> None:
+        """Queue roots of one holder kind (walked by ``run``); a root already reached is skipped."""
+        visited = self.visited
+        for name, obj in roots:
+            if id(obj) not in visited:
+                visited.add(id(obj))
+                self.roots[id(obj)] = Root(kind, name)
+                self._level.append(obj)
+                self._note_wanted((id(obj),))
+        self.exhausted = False
+
+    def run(self) -> None:
+        """Walk from the queued roots until done, every wanted storage is reached, or out of budget."""
+        while self.complete and not self.done:
+            if not self._level and self._later:
+                later, self._later = self._later, []
+                kids, parents = self._expand(later, defer=False)
+                self._level = self._mark(kids, parents)
+                del kids, parents, later
+                continue
+            if not self._level and self._big:
+                # Huge containers last: ten million records must not starve the model beside them.
+                following: list[Any] = []
+                self._expand_big(following)
+                self._level = following
+                continue
+            if not self._level:
+                if not self._keys:
+                    self.exhausted = True
+                    return
+                level, parents = self._keys, self._key_parents
+                self._keys, self._key_parents = [], []
+                self._level = self._mark(level, parents)
+                continue
+            level, self._level = self._level, []
+            if len(level) <= NARROW:
+                self._level = self._narrow(level)
+                continue
+            following = []
+            for start in range(0, len(level), SLICE):
+                kids, parents = self._expand(level[start:start + SLICE])
+                stop = self._mark_slices(kids, parents, following)
+                del kids, parents
+                if stop:
+                    break
+            self._level = following
+
+    def _mark_slices(self, kids: list[Any], parents: list[Any], following: list[Any]) -> bool:
+        """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
+        for at in range(0, len(kids), SLICE):
+            following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE]))
+            if self._out_of_budget() or self.done:
+                return True
+        return False
+
+    def _narrow(self, level: list[Any]) -> list[Any]:
+        """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
+        passes cost microseconds per level whatever its width, a 200,000-deep chain seconds."""
+        visited, cats, is_tracked, nd_id = self.visited, self._cats, gc.is_tracked, self._nd_id
+        seg_ids: list[int] = []
+        seg_parents: list[Any] = []
+
+        def flush() -> None:
+            nonlocal seg_ids, seg_parents
+            if seg_ids:
+                self._segments.append((seg_ids, seg_parents, True))
+                seg_ids, seg_parents = [], []
+
+        steps = 0
+        while level and len(level) <= NARROW:
+            following: list[Any] = []
+            for obj in level:
+                what = cats.get(id(type(obj)))
+                if what != GENERIC:
+                    flush()  # the bulk passes append segments of their own: keep parents first
+                    kids, parents = self._expand([obj])
+                    if self._mark_slices(kids, parents, following):
+                        return following
+                    continue
+                kids = gc.get_referents(obj)
+                if len(kids) > 64:  # one big container: bulk passes, a slice at a time, on the clock
+                    flush()
+                    if self._mark_slices(kids, [obj] * len(kids), following):
+                        return following
+                    continue
+                for kid in kids:
+                    kid_id = id(kid)
+                    if kid_id not in visited and (is_tracked(kid) or id(type(kid)) == nd_id):
+                        visited.add(kid_id)
+                        seg_ids.append(kid_id)
+                        seg_parents.append(obj)
+                        following.append(kid)
+                        self.nodes += 1
+                        if kid_id in self._wanted_ids:
+                            self._note_wanted((kid_id,))
+                        if self.collect is not None and id(type(kid)) in self.collect:
+                            self.met.append(kid)
+            level = following
+            steps += 1
+            if steps & 255 == 0 and (self._out_of_budget() or self.done):
+                break
+            if self.done:
+                break
+        flush()
+        return level
+
+    def seen(self, obj_id: int) -> bool:
+        """Whether the walk reached this object or started from it (a root counts)."""
+        return obj_id in self.visited and obj_id not in self._skip
+
+    def reached(self, obj_id: int) -> bool:
+        """Whether the walk reached this object from a root (a root itself does not count)."""
+        return obj_id in self.visited and obj_id not in self._skip and obj_id not in self.roots
+
+    def parents_of(self, ids: Iterable[int]) -> dict[int, Any]:
+        """id -> parent (a Root for a root) for these objects and all their ancestors: one backwards pass."""
+        roots = self.roots
+        result: dict[int, Any] = {}
+        wanted: set[int] = set()
+        for i in ids:
+            if i in roots:
+                result[i] = roots[i]
+            elif i in self.visited and i not in self._skip:
+                wanted.add(i)
+
+        def found(i: int, parent: Any) -> None:
+            result[i] = parent
+            wanted.discard(i)
+            up = id(parent)
+            if up in roots:
+                result[up] = roots[up]
+            elif up not in result:
+                wanted.add(up)
+
+        for seg_ids, seg_parents, chained in reversed(self._segments):
+            if not wanted:
+                break
+            if chained:
+                for at in range(len(seg_ids) - 1, -1, -1):
+                    if seg_ids[at] in wanted:
+                        found(seg_ids[at], seg_parents[at])
+            else:
+                for at in list(compress(range(len(seg_ids)), map(wanted.__contains__, seg_ids))):
+                    if seg_ids[at] in wanted:
+                        found(seg_ids[at], seg_parents[at])
+        return result
+
+    @property
+    def done(self) -> bool:
+        return bool(self.wanted) and self.storages_left == 0
+
+    def release(self) -> None:
+        """Drop every reference the walk holds (parents, queues): nothing is pinned after a scan."""
+        self.visited.clear()
+        self.roots.clear()
+        self._segments.clear()
+        self.found.clear()
+        self.met.clear()
+        self._level.clear()
+        self._keys.clear()
+        self._key_parents.clear()
+        self._frames.clear()
+        self._later.clear()
+        self._big.clear()
+        self._types.clear()
+
+    def _out_of_budget(self) -> bool:
+        if self.nodes >= self.budget_nodes or time.perf_counter() > self.deadline:
+            self.complete = False
+        return not self.complete
+
+    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], list[Any]]:
+        """What one slice of a level refers to, and the parent of each (the same length)."""
+        cats = self._cats
+        tids = list(map(id, map(type, level)))
+        unknown = set(tids).difference(cats)
+        if unknown:
+            for obj in level:
+                tid = id(type(obj))
+                if tid in unknown:
+                    cats[tid] = classify(type(obj), self.ndarray, self._later_types)
+                    self._types.append(type(obj))
+                    unknown.discard(tid)
+                    if not unknown:
+                        break
+        kinds = list(map(cats.__getitem__, tids))
+        present = set(kinds)
+        kids: list[Any] = []
+        parents: list[Any] = []
+        for what in present:
+            objs = level if len(present) == 1 else list(compress(level, map(what.__eq__, kinds)))
+            if what == LATER and defer:
+                self._later.extend(objs)
+            elif what == GENERIC or what == LATER:
+                lists = list(map(gc.get_referents, objs))
+                self._extend(kids, parents, objs, lists)
+            elif what == SEQ:
+                if max(map(len, objs)) > SLICE:  # a huge container is read a slice at a time, on the clock
+                    self._big.extend(o for o in objs if len(o) > SLICE)
+                    objs = [o for o in objs if len(o) <= SLICE]
+                lists = list(map(gc.get_referents, objs))
+                self._extend(kids, parents, objs, lists)
+            elif what == DICT:
+                if max(map(dict.__len__, objs)) > SLICE:
+                    self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
+                    objs = [d for d in objs if dict.__len__(d) <= SLICE]
+                lists = list(map(list, map(dict.values, objs)))
+                self._extend(kids, parents, objs, lists)
+                if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, objs)))):
+                    self._defer_keys(objs)
+            elif what == FUNCTION:
+                lists = [[c for c in (f.__closure__, f.__defaults__, f.__kwdefaults__,
+                                      function_dict(f)) if c is not None] for f in objs]
+                self._extend(kids, parents, objs, lists)
+            elif what == FRAME:
+                lists = [self._frame_locals(f) for f in objs]
+                self._extend(kids, parents, objs, lists)
+            elif what == NDARRAY:
+                lists = [array_items(a, self.ndarray) for a in objs]
+                self._extend(kids, parents, objs, lists)
+        return kids, parents
+
+    def _defer_keys(self, dicts: list[Any]) -> None:
+        """Queue the tracked keys of these dicts: walked after every value (an optimizer's state keys)."""
+        dicts = [d for d in dicts if dict.__len__(d)]
+        keys = [list(filter(gc.is_tracked, dict.keys(d))) for d in dicts]
+        self._keys.extend(chain.from_iterable(keys))
+        self._key_parents.extend(chain.from_iterable(map(repeat, dicts, map(len, keys))))
+
+    def _expand_big(self, following: list[Any]) -> bool:
+        """Read the huge containers a level met, a slice at a time with the clock checked; True: stop."""
+        while self._big:
+            obj = self._big.pop()
+            if type(obj) is dict or mro_has(type(obj), dict):
+                it = iter(dict.values(obj))
+                self._defer_keys([obj])
+            else:
+                it = iter(obj)  # an exact builtin container: its own C iterator
+            while True:
+                part = list(islice(it, SLICE))
+                if not part:
+                    break
+                following.extend(self._mark(part, [obj] * len(part)))
+                if self._out_of_budget() or self.done:
+                    return True
+        return False
+
+    @staticmethod
+    def _extend(kids: list[Any], parents: list[Any], objs: list[Any], lists: list[list[Any]]) -> None:
+        kids.extend(chain.from_iterable(lists))
+        parents.extend(chain.from_iterable(map(repeat, objs, map(len, lists))))
+
+    def _mark(self, kids: list[Any], parents: list[Any]) -> list[Any]:
+        """Keep the tracked children (and untracked object arrays) not reached before; record parents."""
+        mask = list(map(gc.is_tracked, kids))
+        if not all(mask):
+            nd_id = self._nd_id
+            if nd_id != -1 and nd_id in set(map(id, map(type, compress(kids, map(operator.not_, mask))))):
+                # numpy arrays are not gc-tracked: keep the ones among the children (by type id).
+                for i in compress(count(), map(nd_id.__eq__, map(id, map(type, kids)))):
+                    mask[i] = True
+            kids = list(compress(kids, mask))
+            parents = list(compress(parents, mask))
+        ids = list(map(id, kids))
+        new = set(ids).difference(self.visited)  # iterates the slice, not everything visited
+        if not new:
+            return []
+        self.visited.update(new)
+        keep = list(map(new.__contains__, ids))
+        self._segments.append((list(compress(ids, keep)), list(compress(parents, keep)), False))
+        self.nodes += len(new)
+        level = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
+        if self.wanted:
+            self._note_wanted(new)
+        if self.collect is not None:
+            tensors = list(compress(level, map(self.collect.__contains__, map(id, map(type, level)))))
+            self.met.extend(tensors)
+        return level
+
+    def _note_wanted(self, ids: Iterable[int]) -> None:
+        if not self.wanted:
+            return
+        hits = self._wanted_ids.intersection(ids)
+        for tid in hits:
+            key = self.wanted[tid]
+            if key not in self.found:
+                self.found[key] = tid
+                self.storages_left -= 1
+
+    def _frame_locals(self, frame: types.FrameType) -> list[Any]:
+        """A function frame's local values; a module or class body's locals are globals: not entered."""
+        try:
+            if frame.f_code.co_flags & 0x1 == 0:  # CO_OPTIMIZED unset: module or class body
+                return []
+            local = frame.f_locals
+        except Exception:
+            return []
+        if type(local) is not dict:
+            return []
+        self._frames.append(local)
+        return list(dict.values(local))

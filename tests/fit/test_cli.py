@@ -1,0 +1,185 @@
+"""The fit check as a command (`python -m oom_magic fit`) and from Python (`oom_magic.fit_check`).
+
+Real tiny transformers models saved locally (one file, sharded), real torch.save files, and a
+Hugging Face cache laid out as huggingface_hub lays it out under a temporary HF_HOME. The
+command runs as a subprocess: its stdout, its one-line stderr and its exit status are checked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import oom_magic
+from oom_magic.common.errors import OomMagicError
+from oom_magic.fit.preflight import preflight_check
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A one-file model folder, a sharded one, a .bin and a .pt state dict, and a hub cache holding the model."""
+    base = tmp_path_factory.mktemp("fit")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.float32)
+    model.save_pretrained(base / "single")
+    model.save_pretrained(base / "sharded", max_shard_size="100KB")
+    torch.save(model.state_dict(), base / "weights.bin")
+    torch.save({"w": torch.zeros(128, 64, dtype=torch.float16)}, base / "small.pt")
+    home = base / "hf_home"
+    repo = home / "hub" / "models--tiny-org--tiny-llama"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(base / "single", repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    params = sum(p.numel() for p in model.parameters())
+    return {"base": base, "params": params, "home": home, "commit": commit}
+
+
+def run_fit(*args: str, hf_home: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m oom_magic fit ARGS` in a fresh interpreter, offline, with this checkout's package."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    env.pop("HF_HUB_CACHE", None)
+    if hf_home is not None:
+        env["HF_HOME"] = str(hf_home)
+    return subprocess.run([sys.executable, "-m", "oom_magic", "fit", *args], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_a_folder_that_fits_exits_0_with_the_guard_text(models):
+    done = run_fit(str(models["base"] / "single"), "--device", "cpu", "--headroom", "0")
+    assert done.returncode == 0, done.stderr
+    assert f"{models['params']:,} parameters" in done.stdout
+    assert "preflight (line 1) → model: AutoModelForCausalLM.from_pretrained(" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith("fits on cpu: ")
+    assert done.stderr == ""
+
+
+def test_will_not_fit_on_a_target_exits_1_with_options_that_fit(models):
+    # 15 GiB kept free on a T4 (15.x GiB usable) leaves less than the model: the guard's options follow
+    done = run_fit(str(models["base"] / "single"), "--target", "T4", "--headroom", "15GiB")
+    assert done.returncode == 1, done.stderr
+    assert "→ WILL NOT FIT" in done.stdout and "ways to fit on a T4" in done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith("WILL NOT FIT on a T4: ")
+
+
+def test_json_holds_the_same_figures_as_fit_check(models):
+    path = str(models["base"] / "single")
+    done = run_fit(path, "--target", "16GiB", "--dtype", "bfloat16", "--json")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    check = oom_magic.fit_check(path, target="16GiB", dtype="bfloat16").checks[0]
+    assert data["fits"] is True and data["verdict"] == "fits"
+    assert data["checks"][0]["need"] == check.need == 2 * models["params"]
+    assert data["checks"][0]["budget"] == check.budget and data["checks"][0]["dtype"] == "bfloat16"
+    assert data["checks"][0]["target"]["name"] == "16GiB"
+
+
+def test_quantization_sizes_follow_the_guard(models):
+    path = str(models["base"] / "single")
+    data = json.loads(run_fit(path, "--target", "T4", "--quantization", "nf4", "--json").stdout)
+    cell = ("from transformers import AutoModelForCausalLM, BitsAndBytesConfig\n"
+            "m = AutoModelForCausalLM.from_pretrained(p, device_map='cuda', "
+            "quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4'))")
+    guard = preflight_check(cell, {"p": path}, target="T4")
+    assert data["checks"][0]["need"] == guard.checks[0].need
+    assert data["checks"][0]["dtype"] == "nf4"
+
+
+def test_sharded_index_and_its_folder(models):
+    folder = models["base"] / "sharded"
+    index = folder / "model.safetensors.index.json"
+    assert index.is_file()
+    shards = len(list(folder.glob("*.safetensors")))
+    assert shards > 1
+    for path in (folder, index):
+        data = json.loads(run_fit(str(path), "--device", "cpu", "--headroom", "0", "--json").stdout)
+        assert data["checks"][0]["files"] == shards
+        assert data["checks"][0]["parameters"] == models["params"]
+
+
+def test_bin_and_pt_files(models):
+    data = json.loads(run_fit(str(models["base"] / "weights.bin"), "--device", "cpu", "--headroom", "0", "--json").stdout)
+    assert data["checks"][0]["parameters"] == models["params"] and data["fits"] is True
+    assert data["checks"][0]["source"].startswith("torch.load(")
+    done = run_fit(str(models["base"] / "small.pt"), "--device", "cpu", "--headroom", "0", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert "32.00 KiB as float32" in done.stdout  # 8192 fp16 values (16 KiB) cast to fp32
+
+
+def test_a_cached_hub_id_resolves_offline(models):
+    done = run_fit("tiny-org/tiny-llama", "--device", "cpu", "--headroom", "0", "--json", hf_home=models["home"])
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["checks"][0]["parameters"] == models["params"]
+    missing = run_fit("tiny-org/not-cached", "--device", "cpu", "--headroom", "0", hf_home=models["home"])
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert len(missing.stderr.strip().splitlines()) == 1
+    assert "hub cache has no snapshot" in missing.stderr and "Hugging Face cache" in missing.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["/no/such/model"], "no such file or folder: /no/such/model; pass a checkpoint folder"),
+    (["{single}", "--target", "X9"], "unknown target 'X9': give a size such as 16GiB or one of T4"),
+    (["{single}", "--dtype", "int3"], "unknown dtype 'int3': use one of float32, float16, bfloat16"),
+    (["{single}", "--quantization", "int2"], "unknown quantization 'int2': use one of int8, nf4, fp4"),
+    (["{single}", "--headroom", "lots"], "cannot read headroom 'lots'"),
+    (["{single}", "--device", "cpu", "--headroom", "0", "--target", "T4"], "not allowed with argument"),
+    (["{bin}", "--quantization", "int8"], "pass the folder that holds it"),
+    (["{single}", "--device", "cuda:0"], "pass --target GPU"),  # this machine has no GPU: nothing to check
+    ([], "the following arguments are required: CHECKPOINT"),
+])
+def test_bad_input_exits_2_with_one_line_naming_the_fix(models, args, says):
+    if "cuda:0" in args and torch.cuda.is_available():
+        pytest.skip("a GPU is present: cuda:0 can be checked here")
+    args = [a.format(single=models["base"] / "single", bin=models["base"] / "weights.bin") for a in args]
+    done = run_fit(*args)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("oom-magic"), done.stderr
+    assert says in lines[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_the_command_does_not_import_torch(models):
+    code = ("import sys; from oom_magic.cli import main; rc = main(['fit', sys.argv[1], '--device', 'cpu']); "
+            "print('torch' in sys.modules, rc)")
+    done = subprocess.run([sys.executable, "-c", code, str(models["base"] / "weights.bin")], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "False 0"
+
+
+def test_console_script_points_at_main():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    module, _, func = scripts["oom-magic"].partition(":")
+    assert module == "oom_magic.cli" and func == "main"
+    from oom_magic import cli
+
+    assert getattr(cli, func) is cli.main
+
+
+def test_fit_check_from_python_is_the_guard_record(models):
+    path = str(models["base"] / "single")
+    record = oom_magic.fit_check(path, device="cpu", headroom="1MiB")
+    cell = "model = AutoModelForCausalLM.from_pretrained(p, device_map='cpu')"
+    guard = preflight_check(cell, {"p": path}, headroom="1MiB")
+    assert isinstance(record, oom_magic.Preflight) and record.fits is True
+    assert record.checks[0].need == guard.checks[0].need and record.checks[0].headroom == 2**20
+    # code is checked as written, names resolved against the namespace given
+    from_code = oom_magic.fit_check(cell, namespace={"p": path}, target="T4")
+    assert from_code.checks[0].target is not None and from_code.checks[0].need == guard.checks[0].need
+    with pytest.raises(OomMagicError, match="write them in the call"):
+        oom_magic.fit_check(cell, dtype="bfloat16")
+    with pytest.raises(OomMagicError, match="no such file or folder"):
+        oom_magic.fit_check("/no/such/model")
