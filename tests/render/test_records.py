@@ -103,7 +103,7 @@ def test_the_use_case_modules_still_export_their_records() -> None:
     from importlib import import_module
 
     cleanup, jupyter_kernels, snapshot, tracker, watch = (
-        import_module(f"oom_magic.{name}") for name in ("cleanup", "jupyter_kernels", "snapshot", "tracker", "watch"))
+        import_module(f"oom_magic.{name}") for name in ("heap.cleanup", "device.jupyter_kernels", "heap.snapshot", "heap.tracker", "notebook.watch"))
     assert (snapshot.Snapshot, cleanup.FreeReport, cleanup.StillHeld, watch.CellReport, watch.WatchStatus,
             tracker.StorageRecord, jupyter_kernels.KernelInfo) == (
         Snapshot, FreeReport, StillHeld, CellReport, WatchStatus, StorageRecord, records_snapshot.KernelInfo)
