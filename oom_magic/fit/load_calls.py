@@ -264,7 +264,10 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     map_given = False
     weights_only: bool | None = None
     mmap = False
+    revision: str | None = None
     if kind == "from_pretrained":
+        asked = resolver.value(_arg(node, None, "revision"))
+        revision = asked if isinstance(asked, str) and asked else None
         value = _dtype_of(resolver.value(_arg(node, None, "dtype", "torch_dtype")))
         if isinstance(value, Unknown):
             notes.append(f"dtype: {value.reason}")
@@ -301,7 +304,7 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
         target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
-        moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip,
+        moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip, revision=revision,
     )
 
 

@@ -242,7 +242,8 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     try:
         # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
         # transformers' own rules (a meta model, built only when such a size is asked for).
-        estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained")
+        estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained",
+                             revision=call.revision)
     except OomMagicError as exc:
         lints = load_lints(call, None, None, None)
         return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
@@ -435,12 +436,12 @@ class _PipelineEstimate:
         return sum(p.bytes_for(dtype, **kwargs) for p in self.parts)
 
 
-def _estimate(checkpoint: str, follow_transformers: bool = False) -> Any:
+def _estimate(checkpoint: str, follow_transformers: bool = False, revision: str | None = None) -> Any:
     """estimate_checkpoint, or for a diffusers pipeline folder the sum over its weight folders."""
     from ..checkpoints.estimate import estimate_checkpoint, resolve_checkpoint
 
     try:
-        return estimate_checkpoint(checkpoint, follow_transformers=follow_transformers)
+        return estimate_checkpoint(checkpoint, follow_transformers=follow_transformers, revision=revision)
     except OomMagicError as first:
         try:
             folder = resolve_checkpoint(checkpoint)

@@ -47,6 +47,7 @@ class LoadCall:
     cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
     notes: tuple[str, ...] = ()
     skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
+    revision: str | None = None  # from_pretrained's revision= (a hub branch, tag or commit)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..records.hub import HubRead
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import lint_text, option_code, preflight_html, preflight_text, target_label
+from .guard import hub_read_text, lint_text, option_code, preflight_html, preflight_text, target_label
 from .json import record_dict
 from .units import format_bytes
 
@@ -63,3 +64,4 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
 
 renders(Preflight, preflight_text, preflight_html)
 renders(Lint, lint_text)
+renders(HubRead, hub_read_text)

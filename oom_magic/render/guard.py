@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
+from ..records.hub import HubRead
 from ..records.shown import renders
 from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, size_literal, target_label, target_place
 from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
@@ -62,6 +63,15 @@ def allocator_line(setting: AllocatorSetting) -> str:
 # --------------------------------------------------------------------------- preflight
 
 
+def hub_read_text(hub: HubRead) -> str:
+    """What was read from the hub for an uncached model, and what its download would need on disk."""
+    headers = f"{hub.headers} header{'s' if hub.headers != 1 else ''}"
+    free = (f"{format_bytes(hub.cache_free)} free" if hub.cache_free is not None else "free space unknown")
+    short = ", NOT ENOUGH DISK" if hub.cache_free is not None and hub.download_bytes > hub.cache_free else ""
+    return (f"read {headers}, {format_bytes(hub.bytes_read)}, from the hub ({hub.repo_id} at {hub.revision[:12]}); "
+            f"the download is {format_bytes(hub.download_bytes)}, {free} in {hub.cache_dir}{short}")
+
+
 def _check_lines(check: FitCheck) -> list[str]:
     call = check.call
     where = f" → {call.target}" if call.target else ""
@@ -70,6 +80,9 @@ def _check_lines(check: FitCheck) -> list[str]:
         as_what = f"as {check.dtype}" if check.dtype else "as stored"
         lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
                      f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
+    hub = getattr(check.estimate, "hub", None)
+    if isinstance(hub, HubRead):
+        lines.append(f"  {hub_read_text(hub)}")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
