@@ -1,6 +1,7 @@
 """``oom-magic fit CHECKPOINT``: the %%guardload fit check as a command for scripts and CI pipelines.
 
-Reads checkpoint headers only (no torch import, no CUDA context, no download) and exits 0 when
+Reads checkpoint headers only (no torch import, no CUDA context, no download of weights: a hub id
+not in the local cache is sized from its config and headers read over the network) and exits 0 when
 the load fits, 1 when it will not, 2 on bad input or when nothing could be checked, with one line
 on stderr that says how to fix it.
 """
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Exit status: 0 fits, 1 will not fit, 2 bad input or nothing could be checked.")
     fit.add_argument("checkpoint", metavar="CHECKPOINT",
                      help="A checkpoint folder, a sharded index (*.index.json), a .safetensors, .bin or .pt file, or a "
-                          "hub id (org/name) already in the local Hugging Face cache (never downloaded).")
+                          "hub id (org/name): from the local Hugging Face cache, else its config.json and "
+                          "safetensors headers are read from the hub (never the weights).")
     where = fit.add_mutually_exclusive_group()
     where.add_argument("--device", "-d", default=None,
                        help="Where the weights go: cuda, cuda:N, cpu, mps, or auto for device_map=\"auto\" "
@@ -52,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--headroom", default=None, metavar="SIZE",
                      help="Memory to keep free: a size such as 2GiB or a percentage of the device such as 5%% "
                           "(default 5%%).")
+    fit.add_argument("--revision", default=None, metavar="REV",
+                     help="For a hub id not in the local cache: the branch, tag or commit to read (default main).")
+    fit.add_argument("--hub-timeout", type=float, default=None, metavar="SECONDS",
+                     help="For a hub id not in the local cache: give up reading its config and headers after this "
+                          "many seconds (default 10); HF_TOKEN or the saved login authenticates.")
     fit.add_argument("--json", action="store_true", help="Print the check as JSON (int bytes) instead of text.")
     return parser
 
@@ -64,7 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         preflight = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
-                              quantization=args.quantization, headroom=args.headroom)
+                              quantization=args.quantization, headroom=args.headroom, revision=args.revision,
+                              hub_timeout=args.hub_timeout)
     except OomMagicError as exc:
         fix = _MISSING_FIX if str(exc).startswith(("no such file", "cannot find checkpoint")) else ""
         print(f"oom-magic fit: {exc}{fix}", file=sys.stderr)

@@ -1,0 +1,169 @@
+"""Hub models not in the cache, sized from config.json and safetensors headers over the network.
+
+The real huggingface_hub client (in a child process, with HF_ENDPOINT set before it is imported)
+talks to tests/hubserver.py: a real HTTP server on 127.0.0.1 serving Llama-2-7B's layout as real
+headers over sparse files. The server counts the bytes it sends: no test may see a weight byte.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hubserver import GOOD_TOKEN, LLAMA7B_PARAMETERS, HubServer, Repo, llama7b_repo, sparse_safetensors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("hub")
+    with HubServer() as server:
+        server.repos["org/llama7b"] = llama7b_repo(base / "llama7b")
+        server.repos["org/gated7b"] = llama7b_repo(base / "gated7b", gated=True)
+        bins = base / "binonly"
+        bins.mkdir()
+        (bins / "config.json").write_text("{}")
+        (bins / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
+        server.repos["org/binonly"] = Repo({"config.json": bins / "config.json",
+                                            "pytorch_model.bin": bins / "pytorch_model.bin"})
+        hostile = base / "hostile"
+        hostile.mkdir()
+        with open(hostile / "model.safetensors", "wb") as handle:  # a 50 MB header length, in a sparse file
+            handle.write(struct.pack("<Q", 50_000_000))
+            handle.truncate(2 << 30)
+        server.repos["org/hostile"] = Repo({"model.safetensors": hostile / "model.safetensors"})
+        huge = base / "hugeconfig"
+        huge.mkdir()
+        with open(huge / "config.json", "wb") as handle:  # 20 MB of config: over the bound, never fetched
+            handle.truncate(20 << 20)
+        sparse_safetensors(huge / "model.safetensors", {"w": ("F16", (4, 4))})
+        server.repos["org/hugeconfig"] = Repo({"config.json": huge / "config.json",
+                                               "model.safetensors": huge / "model.safetensors"})
+        server.base = base  # type: ignore[attr-defined]
+        yield server
+
+
+def _env(hub: HubServer, tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HOME=str(tmp_path / "home"),
+               PYTHONPATH=str(ROOT), HF_HUB_DISABLE_TELEMETRY="1")
+    env.update(extra)
+    return env
+
+
+def _fit(hub: HubServer, tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "oom_magic", "fit", *args], env=_env(hub, tmp_path, **env),
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    return done, time.monotonic() - started
+
+
+def test_an_uncached_7b_fits_a_t4_from_its_headers_and_no_weight_byte_is_served(hub, tmp_path):
+    before = hub.weight_bytes_sent()
+    done, _ = _fit(hub, tmp_path, "org/llama7b", "--target", "T4")
+    assert done.returncode == 0, done.stderr
+    assert f"{LLAMA7B_PARAMETERS:,} parameters, 12.55 GiB as float16" in done.stdout
+    assert "read 2 headers, " in done.stdout and "from the hub (org/llama7b at " in done.stdout
+    assert "the download is 12.55 GiB" in done.stdout
+    assert hub.weight_bytes_sent() == before == 0
+    assert not (tmp_path / "cache" / "models--org--llama7b").exists()  # nothing was downloaded into the cache
+
+
+def test_float32_will_not_fit_a_t4_exit_1(hub, tmp_path):
+    done, _ = _fit(hub, tmp_path, "org/llama7b", "--target", "T4", "--dtype", "float32")
+    assert done.returncode == 1, done.stderr
+    assert "WILL NOT FIT on a T4: 25.10 GiB needed" in done.stdout
+    assert hub.weight_bytes_sent() == 0
+
+
+def test_remote_estimate_equals_the_local_one_and_is_read_once_per_revision(hub, tmp_path):
+    from oom_magic.checkpoints.estimate import estimate_checkpoint
+
+    local = estimate_checkpoint(hub.base / "llama7b", dtype="bfloat16")  # type: ignore[attr-defined]
+    script = textwrap.dedent("""
+        import json
+        from oom_magic import estimate_checkpoint
+        first = estimate_checkpoint("org/llama7b", dtype="bfloat16")
+        again = estimate_checkpoint("org/llama7b", dtype="bfloat16", revision=first.hub.revision)
+        print(json.dumps([first.parameters, first.stored_bytes, first.bytes, first.format, list(first.files),
+                          first.declared_dtype, first.hub.headers, first.hub.bytes_read, first.hub.download_bytes,
+                          again is not None and again.hub is first.hub]))
+    """)
+    requests_before = len(hub.requests)
+    done = subprocess.run([sys.executable, "-c", script], env=_env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    params, stored, loaded, fmt, files, declared, headers, read, download, same = json.loads(done.stdout)
+    assert (params, stored, loaded) == (local.parameters, local.stored_bytes, local.bytes) == (
+        LLAMA7B_PARAMETERS, 2 * LLAMA7B_PARAMETERS, 2 * LLAMA7B_PARAMETERS)
+    assert fmt == "safetensors-sharded" and files == ["model-00001-of-00002.safetensors",
+                                                      "model-00002-of-00002.safetensors"]
+    assert declared == "float16" and headers == 2 and same  # the second call was answered from the cache
+    shard_sizes = sum(p.stat().st_size for p in (hub.base / "llama7b").glob("*.safetensors"))  # type: ignore[attr-defined]
+    assert download == shard_sizes
+    served = [r for r in hub.requests[requests_before:] if r[1].startswith("/org/llama7b/")]
+    assert len([r for r in served if r[0] == "GET"]) == 2 + 2 * 2  # config, index; length + header per shard
+    assert read < 100_000 and hub.weight_bytes_sent() == 0
+
+
+def test_a_gated_repo_names_the_fix_and_a_token_opens_it(hub, tmp_path):
+    done, elapsed = _fit(hub, tmp_path, "org/gated7b", "--target", "T4")
+    assert done.returncode == 2
+    line = done.stderr.strip()
+    assert "\n" not in line and "org/gated7b is gated: accept its licence on " in line and "HF_TOKEN" in line
+    opened, _ = _fit(hub, tmp_path, "org/gated7b", "--target", "T4", HF_TOKEN=GOOD_TOKEN)
+    assert opened.returncode == 0, opened.stderr
+    assert hub.weight_bytes_sent() == 0
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("org/nosuchmodel",), "no model org/nosuchmodel on the hub at "),
+    (("org/llama7b", "--revision", "v9"), "org/llama7b has no revision 'v9' on the hub"),
+    (("org/binonly",), "org/binonly has no model.safetensors or model.safetensors.index.json"),
+    (("org/hostile",), "header of 50000000 bytes is over the 4194304 bytes oom-magic reads"),
+    (("org/hugeconfig",), "config.json is 20971520 bytes, over the 16777216 oom-magic reads"),
+])
+def test_missing_or_hostile_repos_are_one_line_with_exit_2(hub, tmp_path, args, expected):
+    done, _ = _fit(hub, tmp_path, *args, "--target", "T4")
+    assert done.returncode == 2
+    assert expected in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert hub.weight_bytes_sent() == 0
+
+
+def test_a_stalling_hub_is_one_line_within_the_bound(hub, tmp_path):
+    hub.stall = True
+    try:
+        done, elapsed = _fit(hub, tmp_path, "org/llama7b", "--target", "T4", "--hub-timeout", "2")
+    finally:
+        hub.stall = False
+    assert done.returncode == 2
+    assert "did not answer within 2 s" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert elapsed < 2 + 8  # the bound plus the child's start (imports), never the stall's 60 s
+
+
+def test_no_network_and_offline_mode_are_one_line_with_exit_2(hub, tmp_path):
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    done, _ = _fit(hub, tmp_path, "org/llama7b", "--target", "T4", HF_ENDPOINT=closed)
+    assert done.returncode == 2 and "cannot reach the hub at " + closed in done.stderr, done.stderr
+    before = len(hub.requests)
+    offline, elapsed = _fit(hub, tmp_path, "org/llama7b", "--target", "T4", HF_HUB_OFFLINE="1")
+    assert offline.returncode == 2
+    assert "HF_HUB_OFFLINE=1 is set, so nothing was checked" in offline.stderr, offline.stderr
+    assert len(hub.requests) == before  # not one request
+
+
+def test_a_bad_hub_timeout_is_one_line(hub, tmp_path):
+    done, _ = _fit(hub, tmp_path, "org/llama7b", "--hub-timeout", "0")
+    assert done.returncode == 2 and "the hub timeout must be a positive number of seconds" in done.stderr
