@@ -167,3 +167,54 @@ def test_no_network_and_offline_mode_are_one_line_with_exit_2(hub, tmp_path):
 def test_a_bad_hub_timeout_is_one_line(hub, tmp_path):
     done, _ = _fit(hub, tmp_path, "org/llama7b", "--hub-timeout", "0")
     assert done.returncode == 2 and "the hub timeout must be a positive number of seconds" in done.stderr
+
+
+def _guarded_cell(hub: HubServer, tmp_path: Path, line: str, cell: str, setup: str = "") -> str:
+    """Run one %%guardload cell in a real IPython shell in a child process pointed at the local hub."""
+    script = "\n".join([
+        "from IPython.testing.globalipapp import start_ipython",
+        "ip = start_ipython()",
+        "ip.run_line_magic('load_ext', 'oom_magic')",
+        setup,
+        f"r = ip.run_cell({('%%guardload ' + line + chr(10) + cell)!r})",
+        "print('ERROR:', type(r.error_in_exec).__name__, r.error_in_exec)",
+        "print('RAN:', ip.user_ns.get('ran'))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], env=_env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_strict_refuses_a_too_big_uncached_model_before_a_weight_byte_is_fetched(hub, tmp_path):
+    sent = dict(hub.sent)
+    out = _guarded_cell(hub, tmp_path, "--target T4 --strict", "\n".join([
+        "import torch",
+        "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained('org/llama7b', dtype=torch.float32)",
+        "ran = True",
+    ]))
+    assert "read 2 headers, " in out and "the download is 12.55 GiB, " in out
+    assert "ERROR: UsageError --strict: line 3 will not fit on a T4: needs 25.10 GiB, 11.78 GiB short" in out
+    assert "RAN: None" in out
+    assert hub.weight_bytes_sent() == 0
+    new = {k: v - sent.get(k, 0) for k, v in hub.sent.items() if v != sent.get(k, 0)}
+    assert sum(new.values()) < 100_000  # config, index and two headers: what the hub line says was read
+
+
+def test_a_stalled_hub_leaves_the_cell_to_run_and_says_nothing_was_checked(hub, tmp_path):
+    hub.stall = True
+    try:
+        started = time.monotonic()
+        out = _guarded_cell(hub, tmp_path, "--strict", "\n".join([
+            "ran = True",
+            "if not ran:",
+            "    model = AutoModelForCausalLM.from_pretrained('org/llama7b')",
+        ]), setup="ip.run_line_magic('config', 'OomMagics.hub_timeout = 2')")
+        elapsed = time.monotonic() - started
+    finally:
+        hub.stall = False
+    assert "not checked: cannot size org/llama7b: org/llama7b: the hub at " in out
+    assert "did not answer within 2 s, so nothing was checked" in out
+    assert "RAN: True" in out and "ERROR: NoneType None" in out
+    assert elapsed < 2 + 15  # the bound plus the child's start, never the stall's 60 s
