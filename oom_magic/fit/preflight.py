@@ -234,6 +234,17 @@ def _measured_device(check: FitCheck) -> str | None:
 
 
 def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
+    """One load's check; for a hub model not in the cache, also whether its download fits the cache's disk."""
+    check, lints = _check_load(call, guard_device, budgets)
+    hub = getattr(check.estimate, "hub", None)
+    if hub is not None:
+        free = budgets.disk_override if budgets.disk_override is not None else hub.cache_free
+        if free is not None and hub.download_bytes > free:
+            check = replace(check, download_short=hub.download_bytes - free)
+    return check, lints
+
+
+def _check_load(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
     lints: list[Lint] = []
     keys: CheckpointKeys | None = None
     where = _target(call, guard_device)

@@ -101,6 +101,8 @@ class FitCheck:
     # cpu loads: RAM at the load's peak when above `need` (a cast or MoE fusion copies beside the
     # file pages it reads; see load_peak); None when the peak is the weights themselves
     ram_peak: int | None = None
+    # a hub model not in the cache: bytes its download lacks on the disk of the hub cache; None = it fits or unknown
+    download_short: int | None = None
 
     @property
     def budget(self) -> int | None:
@@ -143,8 +145,9 @@ class Preflight(Shown):
 
     @property
     def will_not_fit(self) -> tuple[FitCheck, ...]:
-        """The loads that will not fit where they are going (under --target: there, or here)."""
-        return tuple(c for c in self.checks if c.verdict == "will-not-fit"
+        """The loads that will not fit where they are going (under --target: there, or here), or whose
+        download from the hub will not fit the disk of the hub cache."""
+        return tuple(c for c in self.checks if c.verdict == "will-not-fit" or c.download_short
                      or (c.local is not None and c.local.verdict == "will-not-fit"))
 
     @property

@@ -9,7 +9,7 @@ from typing import Any
 from ..records.hub import HubRead
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import hub_read_text, lint_text, option_code, preflight_html, preflight_text, target_label
+from .guard import download_short_text, hub_read_text, lint_text, option_code, preflight_html, preflight_text, target_label
 from .json import record_dict
 from .units import format_bytes
 
@@ -23,6 +23,9 @@ def verdict_line(preflight: Preflight) -> str:
         check = preflight.checks[0]
         return f"fits on {_where(check)}: {format_bytes(check.need)} needed, {format_bytes(check.margin)} to spare"
     check = preflight.will_not_fit[0]
+    if check.verdict != "will-not-fit" and check.download_short and (
+            check.local is None or check.local.verdict != "will-not-fit"):
+        return f"WILL NOT FIT on disk: {download_short_text(check)}"
     first = next((o for o in check.options if o.fits), None)
     hint = f"; fits with {option_code(first)}" if first is not None else ""
     return (f"WILL NOT FIT on {_where(check)}: {format_bytes(check.need)} needed, "
@@ -51,6 +54,8 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
             "split": [list(s) for s in check.split],
             "target": record_dict(check.target) if check.target is not None else None,
             "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],
+            "download_short": check.download_short,
+            "hub": record_dict(check.estimate.hub) if getattr(check.estimate, "hub", None) is not None else None,
         })
     return {
         "fits": preflight.fits,

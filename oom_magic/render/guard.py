@@ -63,13 +63,20 @@ def allocator_line(setting: AllocatorSetting) -> str:
 # --------------------------------------------------------------------------- preflight
 
 
+def download_short_text(check: FitCheck) -> str:
+    """Why a hub model's download will not fit on the disk of the hub cache, and the fix."""
+    hub = check.estimate.hub
+    return (f"the download of {hub.repo_id} is {format_bytes(hub.download_bytes)}, "
+            f"{format_bytes(check.download_short)} more than is free where the hub cache lives ({hub.cache_dir}): "
+            "free space there or set HF_HUB_CACHE to a larger disk")
+
+
 def hub_read_text(hub: HubRead) -> str:
     """What was read from the hub for an uncached model, and what its download would need on disk."""
     headers = f"{hub.headers} header{'s' if hub.headers != 1 else ''}"
     free = (f"{format_bytes(hub.cache_free)} free" if hub.cache_free is not None else "free space unknown")
-    short = ", NOT ENOUGH DISK" if hub.cache_free is not None and hub.download_bytes > hub.cache_free else ""
     return (f"read {headers}, {format_bytes(hub.bytes_read)}, from the hub ({hub.repo_id} at {hub.revision[:12]}); "
-            f"the download is {format_bytes(hub.download_bytes)}, {free} in {hub.cache_dir}{short}")
+            f"the download is {format_bytes(hub.download_bytes)}, {free} in {hub.cache_dir}")
 
 
 def _check_lines(check: FitCheck) -> list[str]:
@@ -83,6 +90,8 @@ def _check_lines(check: FitCheck) -> list[str]:
     hub = getattr(check.estimate, "hub", None)
     if isinstance(hub, HubRead):
         lines.append(f"  {hub_read_text(hub)}")
+    if check.download_short:
+        lines.append(f"  WILL NOT FIT on disk: {download_short_text(check)}")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
@@ -179,6 +188,8 @@ def refusal_line(preflight: Preflight) -> str:
     """One line for --strict: which load will not fit, by how much, and the first option that fits."""
     check = preflight.will_not_fit[0]
     local = check.local if check.local is not None and check.local.verdict == "will-not-fit" else None
+    if check.verdict != "will-not-fit" and local is None and check.download_short:
+        return one_line(f"--strict: line {check.call.line}: {download_short_text(check)}")
     if check.verdict != "will-not-fit" and local is not None and check.target is not None:  # --target: fits there, not here
         return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
                 f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: needs "

@@ -218,3 +218,26 @@ def test_a_stalled_hub_leaves_the_cell_to_run_and_says_nothing_was_checked(hub, 
     assert "did not answer within 2 s, so nothing was checked" in out
     assert "RAN: True" in out and "ERROR: NoneType None" in out
     assert elapsed < 2 + 15  # the bound plus the child's start, never the stall's 60 s
+
+
+def test_a_download_larger_than_the_cache_disk_will_not_fit_and_strict_names_it(hub, tmp_path):
+    script = "\n".join([
+        "from oom_magic.fit.preflight import preflight_check",
+        "from oom_magic.guard.printer import refusal_message",
+        "from oom_magic.render.fit import verdict_line",
+        "cell = \"model = AutoModelForCausalLM.from_pretrained('org/llama7b', dtype='float16')\"",
+        "p = preflight_check(cell, {}, target='A100-80GB', disk_bytes=2 << 30)",  # the disk's free bytes, passed in
+        "print('SHORT:', p.checks[0].download_short, p.checks[0].verdict, p.fits)",
+        "print(verdict_line(p))",
+        "print(refusal_message(p))",
+        "print(p)",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], env=_env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    download = sum(p.stat().st_size for p in (hub.base / "llama7b").glob("*.safetensors"))  # type: ignore[attr-defined]
+    assert f"SHORT: {download - (2 << 30)} fits False" in done.stdout  # fits the GPU, not the disk
+    assert "WILL NOT FIT on disk: the download of org/llama7b is 12.55 GiB, 10.55 GiB more than is free" in done.stdout
+    assert "--strict: line 1: the download of org/llama7b is 12.55 GiB" in done.stdout
+    assert "set HF_HUB_CACHE to a larger disk" in done.stdout
+    assert hub.weight_bytes_sent() == 0
