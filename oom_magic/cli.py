@@ -16,8 +16,7 @@ from collections.abc import Sequence
 from .fit.check import DTYPES, QUANTIZATIONS
 
 FITS, WILL_NOT_FIT, BAD_INPUT = 0, 1, 2
-_MISSING_FIX = ("; pass a checkpoint folder, a .safetensors/.bin/.pt file or shard index, or a hub id already "
-                "downloaded to this machine's Hugging Face cache")
+_MISSING_FIX = "; pass a checkpoint folder, a .safetensors/.bin/.pt file or shard index, or a hub id (org/name)"
 
 
 class _Parser(argparse.ArgumentParser):

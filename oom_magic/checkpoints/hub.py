@@ -81,8 +81,11 @@ def read_hub_checkpoint(repo_id: str, *, revision: str | None = None) -> RemoteC
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        raise OomMagicError(f"{repo_id} is not in the local hub cache and HF_HUB_OFFLINE=1 is set, so nothing was "
-                            "checked: unset HF_HUB_OFFLINE to read its headers, or download it first")
+        from .files import hub_cache_dir
+
+        raise OomMagicError(f"{repo_id} is not in the local hub cache ({hub_cache_dir()}) and HF_HUB_OFFLINE=1 is set, "
+                            "so nothing was checked: unset HF_HUB_OFFLINE to read its headers from the hub, or "
+                            "download it first")
     reader = _Reader(repo_id, revision or "main", options)
     try:
         found = reader.read()

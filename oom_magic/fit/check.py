@@ -125,6 +125,13 @@ def _fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | No
             raise OomMagicError("dtype and quantization apply to a checkpoint path; in code, write them in the call")
         return preflight_check(str(path_or_cell_or_call), namespace or {}, device=device, headroom=headroom,
                                target=target)
+    from ..checkpoints.files import uncached_hub_id
+
+    remote = uncached_hub_id(path_or_cell_or_call)
+    if remote is not None:  # read the hub first: a failure is the command's one line, not a preflight
+        from ..checkpoints.hub import read_hub_checkpoint
+
+        read_hub_checkpoint(remote, revision=revision)  # kept per (repo, revision) for the estimate
     if device is None:
         from ..device.reading import default_device
 
