@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--hub-timeout", type=float, default=None, metavar="SECONDS",
                      help="For a hub id not in the local cache: give up reading its config and headers after this "
                           "many seconds (default 10); HF_TOKEN or the saved login authenticates.")
+    gguf = fit.add_argument_group("GGUF files (llama.cpp)")
+    gguf.add_argument("--file", default=None, metavar="X.gguf",
+                      help="With a hub id: the .gguf file in that repo to size (its header is read, never its weights).")
+    gguf.add_argument("--n-ctx", type=int, default=None, metavar="N",
+                      help="llama.cpp's context length for the KV cache (default: the model's context_length).")
+    gguf.add_argument("--n-gpu-layers", type=int, default=-1, metavar="N",
+                      help="Layers llama.cpp offloads to the GPU (default -1: all).")
+    gguf.add_argument("--type-k", default="f16", help="KV cache type of K (f16, q8_0, q4_0, ...; default f16).")
+    gguf.add_argument("--type-v", default="f16", help="KV cache type of V (default f16).")
     fit.add_argument("--json", action="store_true", help="Print the check as JSON (int bytes) instead of text.")
     return parser
 
@@ -68,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .common.errors import OomMagicError
     from .fit.check import fit_check
 
+    if args.file is not None or str(args.checkpoint).endswith(".gguf"):
+        return _gguf(args)
     try:
         preflight = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
                               quantization=args.quantization, headroom=args.headroom, revision=args.revision,
@@ -89,6 +100,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"oom-magic fit: {verdict_line(preflight)}{fix}", file=sys.stderr)
         return BAD_INPUT
     return FITS if preflight.fits else WILL_NOT_FIT
+
+
+def _gguf(args: argparse.Namespace) -> int:
+    """`oom-magic fit FILE.gguf` / `org/name --file X.gguf`: a llama.cpp load's GPU share against the budget."""
+    from .checkpoints.hub import hub_options
+    from .common.errors import OomMagicError
+    from .fit.llama_cpp import gguf_fit_check
+    from .render.fit import llama_cpp_text
+    from .render.json import record_dict
+
+    try:
+        with hub_options(timeout=args.hub_timeout):
+            load = gguf_fit_check(args.checkpoint, file=args.file, target=args.target, n_ctx=args.n_ctx,
+                                  n_gpu_layers=args.n_gpu_layers, type_k=args.type_k, type_v=args.type_v,
+                                  revision=args.revision, headroom=args.headroom,
+                                  device=args.device if args.device and args.device.startswith("cuda") else "cuda:0")
+    except OomMagicError as exc:
+        print(f"oom-magic fit: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    print(json.dumps(record_dict(load), indent=2) if args.json else llama_cpp_text(load), flush=True)
+    if load.fits is None:
+        print("oom-magic fit: not checked: no GPU budget here; pass --target GPU (T4, 16GiB, ...)", file=sys.stderr)
+        return BAD_INPUT
+    return FITS if load.fits else WILL_NOT_FIT
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m oom_magic.cli

@@ -21,16 +21,18 @@ from typing import Any
 
 from ..common.errors import OomMagicError, one_line
 from ..records.hub import HubRead
+from .gguf import GgufHeader, read_gguf_growing
 from .safetensors_header import MAX_READ_HEADER_BYTES as _MAX_HEADER_READ
 from .safetensors_header import check_header_length, check_shards, parse_safetensors_header
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RemoteCheckpoint", "hub_options", "read_hub_checkpoint"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RemoteCheckpoint", "hub_options", "read_hub_checkpoint", "read_hub_gguf"]
 
 DEFAULT_TIMEOUT_S = 10.0
 _MAX_CONFIG_BYTES = 16 * 1024 * 1024  # as files.py's limit for a local config.json
 _MAX_INDEX_BYTES = 64 * 1024 * 1024
 _MAX_SHARDS = 2048  # the largest public checkpoints have a few hundred shards
 _PARALLEL = 8
+_MAX_GGUF_HEADER = 64 * 1024 * 1024  # gguf.py's bound on a header
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,42 @@ class RemoteCheckpoint:
 
 
 _CACHE: dict[tuple[str, str, str], RemoteCheckpoint] = {}
+
+
+def read_hub_gguf(repo_id: str, filename: str, *, revision: str | None = None) -> tuple[GgufHeader, HubRead]:
+    """Read one GGUF file's header from a hub repo by growing range reads, never its tensor data."""
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        raise OomMagicError(f"{repo_id}/{filename} is not read: HF_HUB_OFFLINE=1 is set, so nothing was checked")
+    if not filename.endswith(".gguf") or filename.startswith(("/", ".")) or ".." in filename.split("/"):
+        raise OomMagicError(f"--file {filename!r}: give the name of a .gguf file in the repo, such as model-Q4_K_M.gguf")
+    reader = _Reader(repo_id, revision or "main", _OPTIONS.get() or _DEFAULT_OPTIONS)
+    try:
+        size = reader._size(filename)
+        if size is None:
+            raise OomMagicError(f"{repo_id} has no file {filename} at {reader.revision[:12]}: check the name in the "
+                                "repo's file list")
+        held = bytearray()
+
+        def first(n: int) -> bytes:
+            if n > len(held):  # only what is not held yet: the reads grow, never repeat
+                held.extend(reader._get(filename, len(held), min(n, size) - len(held), _MAX_GGUF_HEADER))
+            return bytes(held[:n])
+
+        header = read_gguf_growing(first, filename, size)
+    except OomMagicError:
+        raise
+    except Exception as exc:
+        raise OomMagicError(reader.explain(exc)) from None
+    from ..device.host import disk_free
+    from .files import hub_cache_dir
+
+    cache = hub_cache_dir()
+    probe = cache
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    return header, HubRead(repo_id, reader.revision, 1, reader.bytes_read, size, str(cache), disk_free(probe))
 
 
 def read_hub_checkpoint(repo_id: str, *, revision: str | None = None) -> RemoteCheckpoint:
