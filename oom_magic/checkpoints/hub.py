@@ -99,6 +99,12 @@ def read_hub_gguf(repo_id: str, filename: str, *, revision: str | None = None) -
         raise
     except Exception as exc:
         raise OomMagicError(reader.explain(exc)) from None
+    cache, free = _cache_disk()
+    return header, HubRead(repo_id, reader.revision, 1, reader.bytes_read, size, cache, free)
+
+
+def _cache_disk() -> tuple[str, int | None]:
+    """The hub cache a download would go to, and the free bytes of its file system (of its nearest existing parent)."""
     from ..device.host import disk_free
     from .files import hub_cache_dir
 
@@ -106,7 +112,7 @@ def read_hub_gguf(repo_id: str, filename: str, *, revision: str | None = None) -
     probe = cache
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
-    return header, HubRead(repo_id, reader.revision, 1, reader.bytes_read, size, str(cache), disk_free(probe))
+    return str(cache), disk_free(probe)
 
 
 def read_hub_checkpoint(repo_id: str, *, revision: str | None = None) -> RemoteCheckpoint:
@@ -174,15 +180,8 @@ class _Reader:
         tensors = check_shards([(name, found) for name, (found, _) in zip(shards, headers)], weight_map,
                                "model.safetensors.index.json")
         download = sum(size for _, size in headers)
-        from ..device.host import disk_free
-        from .files import hub_cache_dir
-
-        cache = hub_cache_dir()
-        probe = cache
-        while not probe.exists() and probe.parent != probe:
-            probe = probe.parent
-        read = HubRead(self.repo_id, self.revision, len(shards), self.bytes_read, download, str(cache),
-                       disk_free(probe))
+        cache, free = _cache_disk()
+        read = HubRead(self.repo_id, self.revision, len(shards), self.bytes_read, download, cache, free)
         return RemoteCheckpoint(read, "safetensors-sharded" if weight_map is not None else "safetensors",
                                 tuple(shards), tuple(tensors), config)
 
