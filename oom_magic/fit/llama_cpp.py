@@ -87,25 +87,11 @@ def gguf_fit_check(path_or_repo: str, *, file: str | None = None, target: str | 
                    headroom: str | int | None = None, device: str = "cuda:0") -> LlamaCppLoad:
     """Check a llama.cpp load of a local .gguf file, or of `file` in hub repo `path_or_repo` (headers only),
     against a GPU's budget (`target`, else this machine's `device`) after headroom."""
-    from pathlib import Path
-
-    from ..checkpoints.gguf import read_gguf_header
     from .preflight import _Budgets
     from .targets import parse_target
 
     rehearsed = parse_target(target) if target is not None else None
-    hub = None
-    if file is not None:
-        from ..checkpoints.hub import read_hub_gguf
-
-        header, hub = read_hub_gguf(path_or_repo, file, revision=revision)
-        label = f"{path_or_repo}/{file}"
-    else:
-        local = Path(path_or_repo).expanduser()
-        if not local.is_file():
-            raise OomMagicError(f"no such GGUF file: {path_or_repo} (for a file in a hub repo, pass org/name --file "
-                                "X.gguf)")
-        header, label = read_gguf_header(local), local.name
+    header, hub, label = read_gguf(path_or_repo, file, revision)
     sizes = size_llama_cpp(header, label, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, type_k=type_k, type_v=type_v,
                            hub=hub)
     if n_gpu_layers == 0:
@@ -115,3 +101,24 @@ def gguf_fit_check(path_or_repo: str, *, file: str | None = None, target: str | 
     if free is None:
         return replace(sizes, target=rehearsed)
     return replace(sizes, target=rehearsed, gpu_budget=free - context - budgets.headroom(total, free))
+
+
+def read_gguf(path_or_repo: str, file: str | None, revision: str | None) -> tuple[GgufHeader, HubRead | None, str]:
+    """A GGUF header from a local file, or from `file` in hub repo `path_or_repo`; (header, what the hub sent, label)."""
+    from pathlib import Path
+
+    from ..checkpoints.gguf import read_gguf_header
+
+    if file is not None:
+        from ..checkpoints.hub import read_hub_gguf
+
+        local_repo = Path(path_or_repo).expanduser() / file
+        if local_repo.is_file():  # a folder holding the file (transformers' gguf_file= with a local folder)
+            return read_gguf_header(local_repo), None, file
+        header, hub = read_hub_gguf(path_or_repo, file, revision=revision)
+        return header, hub, f"{path_or_repo}/{file}"
+    local = Path(path_or_repo).expanduser()
+    if not local.is_file():
+        raise OomMagicError(f"no such GGUF file: {path_or_repo} (for a file in a hub repo, pass org/name --file "
+                            "X.gguf)")
+    return read_gguf_header(local), None, local.name

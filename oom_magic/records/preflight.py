@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "OffloadCheck", "Preflight", "Severity", "Verdict"]
 
-LoadKind = Literal["from_pretrained", "torch.load", "load_file"]
+LoadKind = Literal["from_pretrained", "torch.load", "load_file", "llama_cpp"]
 Verdict = Literal["fits", "will-not-fit", "unknown"]
 LintCode = Literal["map-location", "weights-only", "safetensors-sibling", "training-checkpoint", "fp32-of-half"]
 Severity = Literal["warning", "info"]
@@ -48,6 +48,9 @@ class LoadCall:
     notes: tuple[str, ...] = ()
     skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
     revision: str | None = None  # from_pretrained's revision= (a hub branch, tag or commit)
+    gguf_file: str | None = None  # a GGUF file in the repo: transformers' gguf_file=, Llama.from_pretrained's filename
+    n_gpu_layers: int | None = None  # llama_cpp.Llama's n_gpu_layers= (None: not given, llama-cpp-python's 0)
+    n_ctx: int | None = None  # llama_cpp.Llama's n_ctx= (None: not given, llama-cpp-python's 512)
 
 
 @dataclass(frozen=True)

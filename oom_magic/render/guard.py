@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
 from ..records.hub import HubRead
+from ..records.llama_cpp import LlamaCppLoad
 from ..records.shown import renders
 from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, size_literal, target_label, target_place
 from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
@@ -85,6 +86,8 @@ def _check_lines(check: FitCheck) -> list[str]:
     lines = [f"preflight (line {call.line}){where}: {call.source}"]
     if check.parameters is not None:
         as_what = f"as {check.dtype}" if check.dtype else "as stored"
+        if isinstance(check.estimate, LlamaCppLoad):
+            as_what = "on the GPU" if check.estimate.n_gpu_layers else "in RAM, with its KV cache"
         lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
                      f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
     hub = getattr(check.estimate, "hub", None)
@@ -92,6 +95,12 @@ def _check_lines(check: FitCheck) -> list[str]:
         lines.append(f"  {hub_read_text(hub)}")
     if check.download_short:
         lines.append(f"  WILL NOT FIT on disk: {download_short_text(check)}")
+    if isinstance(check.estimate, LlamaCppLoad):
+        load = check.estimate
+        layers = "all" if load.n_gpu_layers == -1 else load.n_gpu_layers
+        lines.append(f"  llama.cpp: {format_bytes(load.weights_bytes)} of weights + {format_bytes(load.kv_cache_bytes)} "
+                     f"of KV cache at n_ctx={load.n_ctx}; n_gpu_layers={layers} puts {format_bytes(load.gpu_bytes)} "
+                     f"on the GPU, {format_bytes(load.cpu_bytes)} in RAM")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines

@@ -150,3 +150,59 @@ def test_a_remote_gguf_is_read_by_growing_range_reads(tmp_path):
         missing = subprocess.run([sys.executable, "-m", "oom_magic", "fit", "org/llama7b-gguf", "--file", "x.gguf"],
                                  env=env, capture_output=True, text=True, timeout=60)
         assert missing.returncode == 2 and "org/llama7b-gguf has no file x.gguf" in missing.stderr
+
+
+@pytest.fixture(scope="module")
+def llama7b_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf7b") / "llama7b-Q4_K_M.gguf"
+    write_sparse_gguf(path, layers=32, embd=4096, ffn=11008, vocab=32000, heads=32, heads_kv=32, ctx=32768)
+    return path
+
+
+def test_the_preflight_reads_llama_cpp_and_gguf_file_loads(llama7b_gguf):
+    from oom_magic.fit.preflight import preflight_check
+
+    header = read_gguf_header(llama7b_gguf)
+    weights = sum(t.nbytes for t in header.tensors)
+    cell = f"from llama_cpp import Llama\nllm = Llama(model_path={str(llama7b_gguf)!r}, n_gpu_layers=-1, n_ctx=32768)"
+    (check,) = preflight_check(cell, {}, target="T4").checks
+    assert check.call.kind == "llama_cpp" and check.call.n_gpu_layers == -1 and check.call.n_ctx == 32768
+    assert check.need == weights + 32 * 2 * 32768 * 4096 * 2 - header.tensors[0].nbytes  # token_embd stays on the CPU
+    assert check.verdict == "will-not-fit"
+    cell = f"import llama_cpp\nllm = llama_cpp.Llama({str(llama7b_gguf)!r}, n_gpu_layers=20, n_ctx=4096)"
+    (check,) = preflight_check(cell, {}, target="T4").checks
+    assert check.verdict == "fits" and check.need == check.estimate.gpu_bytes
+    cell = (f"model = AutoModelForCausalLM.from_pretrained({str(llama7b_gguf.parent)!r}, "
+            f"gguf_file={llama7b_gguf.name!r}, dtype=torch.bfloat16)")
+    (check,) = preflight_check(cell, {}, target="A100-80GB").checks
+    assert check.call.gguf_file == llama7b_gguf.name
+    assert check.need == sum(t.elements for t in header.tensors) * 2  # transformers dequantizes to the dtype
+    assert check.verdict == "fits"
+
+
+def test_guardload_strict_refuses_a_llama_cpp_load_that_will_not_fit(ip, llama7b_gguf):
+    from IPython.core.error import UsageError
+
+    cell = (f"from llama_cpp import Llama\nllm = Llama(model_path={str(llama7b_gguf)!r}, n_gpu_layers=-1, "
+            "n_ctx=32768)\nran = True\n")
+    with pytest.raises(UsageError, match=r"--strict: line 2 will not fit on a T4: needs 19.97 GiB, 6.65 GiB short"):
+        ip.run_cell_magic("guardload", "--target T4 --strict", cell)
+    assert "ran" not in ip.user_ns  # refused before the cell (llama_cpp need not even be installed)
+
+
+def test_llama_from_pretrained_reads_the_remote_header(tmp_path, llama7b_gguf):
+    with HubServer() as hub:
+        hub.repos["org/llama7b-gguf"] = Repo({"llama7b-Q4_K_M.gguf": llama7b_gguf})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+        env.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+        script = "\n".join([
+            "from oom_magic.fit.preflight import preflight_check",
+            "cell = \"llm = Llama.from_pretrained('org/llama7b-gguf', 'llama7b-Q4_K_M.gguf', n_gpu_layers=-1, "
+            "n_ctx=4096)\"",
+            "print(preflight_check('from llama_cpp import Llama\\n' + cell, {}, target='T4'))",
+        ])
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert "read 1 header, " in done.stdout and "from the hub (org/llama7b-gguf at " in done.stdout
+        assert "n_gpu_layers=all puts 5.97 GiB on the GPU" in done.stdout and "→ fits" in done.stdout
+        assert hub.sent["org/llama7b-gguf/llama7b-Q4_K_M.gguf"] < 256 * 1024  # the header, not 4 GiB of weights
