@@ -106,7 +106,7 @@ def _gguf(args: argparse.Namespace) -> int:
     """`oom-magic fit FILE.gguf` / `org/name --file X.gguf`: a llama.cpp load's GPU share against the budget."""
     from .checkpoints.hub import hub_options
     from .common.errors import OomMagicError
-    from .fit.llama_cpp import gguf_fit_check
+    from .fit.gguf_check import gguf_fit_check
     from .render.fit import llama_cpp_text
     from .render.json import record_dict
 

@@ -14,7 +14,8 @@ gguf = pytest.importorskip("gguf")
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 from oom_magic.checkpoints.gguf import read_gguf_header  # noqa: E402
-from oom_magic.fit.llama_cpp import gguf_fit_check, size_llama_cpp  # noqa: E402
+from oom_magic.fit.gguf_check import gguf_fit_check  # noqa: E402
+from oom_magic.fit.llama_cpp import size_llama_cpp  # noqa: E402
 from tests.hubserver import HubServer, Repo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
