@@ -118,7 +118,7 @@ def _cache_disk() -> tuple[str, int | None]:
 def read_hub_checkpoint(repo_id: str, *, revision: str | None = None) -> RemoteCheckpoint:
     """Size `repo_id` at `revision` from config.json and its safetensors headers, never its weights."""
     options = (_OPTIONS.get() or _DEFAULT_OPTIONS)
-    key = (repo_id, revision or "main", str(options.token is not None))
+    key = (repo_id, revision or "main", _token_key(options.token))
     found = _CACHE.get(key)
     if found is not None:
         return found
@@ -140,6 +140,13 @@ def read_hub_checkpoint(repo_id: str, *, revision: str | None = None) -> RemoteC
     _CACHE[key] = found
     _CACHE[(repo_id, found.read.revision, key[2])] = found
     return found
+
+
+def _token_key(token: str | bool | None) -> str:
+    """Tells tokens apart in the cache's key without keeping one: what one token could read, another may not."""
+    import hashlib
+
+    return hashlib.sha256(str(token).encode()).hexdigest()[:16]
 
 
 class _Reader:

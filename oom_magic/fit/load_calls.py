@@ -277,11 +277,14 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     mmap = False
     revision: str | None = None
     gguf_file: str | None = None
+    token: str | None = None
     if kind == "from_pretrained":
         asked = resolver.value(_arg(node, None, "revision"))
         revision = asked if isinstance(asked, str) and asked else None
         named = resolver.value(_arg(node, None, "gguf_file"))
         gguf_file = named if isinstance(named, str) and named.endswith(".gguf") else None
+        given = resolver.value(_arg(node, None, "token", "use_auth_token"))
+        token = given if isinstance(given, str) and given else None
         value = _dtype_of(resolver.value(_arg(node, None, "dtype", "torch_dtype")))
         if isinstance(value, Unknown):
             notes.append(f"dtype: {value.reason}")
@@ -313,13 +316,16 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     else:
         device = _placement(resolver.value(_arg(node, 1, "device")), notes, "device") or "cpu"
     moved, cast = _chain_effects(node, parents, resolver)
+    source = shorten(ast.unparse(node), 120)
+    if token is not None:
+        source = source.replace(token, "***")  # a token written in the cell is never printed back
     return LoadCall(
-        kind=kind, line=node.lineno, source=shorten(ast.unparse(node), 120),
+        kind=kind, line=node.lineno, source=source,
         target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
         moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip, revision=revision,
-        gguf_file=gguf_file,
+        gguf_file=gguf_file, token=token,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from ..checkpoints.files import CheckpointKeys, read_checkpoint_keys
+from ..checkpoints.hub import hub_options
 from ..common._torch import cuda_initialized
 from ..records.diagnosis import FitOption
 from .options import device_index, fit_options
@@ -255,8 +256,9 @@ def _check_load(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     try:
         # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
         # transformers' own rules (a meta model, built only when such a size is asked for).
-        estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained",
-                             revision=call.revision)
+        with hub_options(token=call.token):  # the call's own token= wins over HF_TOKEN and the saved login
+            estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained",
+                                 revision=call.revision)
     except OomMagicError as exc:
         lints = load_lints(call, None, None, None)
         return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
@@ -315,7 +317,8 @@ def _check_gguf(call: LoadCall, where: str | None, budgets: _Budgets) -> FitChec
     if call.checkpoint is None:
         return _unknown(call, where, f"cannot size the checkpoint: {call.unresolved}")
     try:
-        header, hub, label = read_gguf(call.checkpoint, call.gguf_file, call.revision)
+        with hub_options(token=call.token):
+            header, hub, label = read_gguf(call.checkpoint, call.gguf_file, call.revision)
         if call.kind == "llama_cpp":
             # llama-cpp-python's defaults: n_ctx=512, n_gpu_layers=0
             load: Any = size_llama_cpp(header, label, n_ctx=call.n_ctx or 512, n_gpu_layers=call.n_gpu_layers or 0,

@@ -51,6 +51,8 @@ class LoadCall:
     gguf_file: str | None = None  # a GGUF file in the repo: transformers' gguf_file=, Llama.from_pretrained's filename
     n_gpu_layers: int | None = None  # llama_cpp.Llama's n_gpu_layers= (None: not given, llama-cpp-python's 0)
     n_ctx: int | None = None  # llama_cpp.Llama's n_ctx= (None: not given, llama-cpp-python's 512)
+    # from_pretrained's token= (a hub token) for reading an uncached model's headers; never shown
+    token: str | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -241,3 +241,41 @@ def test_a_download_larger_than_the_cache_disk_will_not_fit_and_strict_names_it(
     assert "--strict: line 1: the download of org/llama7b is 12.55 GiB" in done.stdout
     assert "set HF_HUB_CACHE to a larger disk" in done.stdout
     assert hub.weight_bytes_sent() == 0
+
+
+def test_the_calls_own_token_opens_a_gated_repo_and_is_never_shown(hub, tmp_path):
+    call = "model = AutoModelForCausalLM.from_pretrained('org/gated7b', token={!r})"
+    script = "\n".join([
+        "from oom_magic.fit.preflight import preflight_check",
+        f"p = preflight_check({call.format(GOOD_TOKEN)!r}, {{}}, target='A100-80GB')",
+        "print(p.checks[0].verdict, repr(p.checks[0].call))",
+        "print(p)",
+        f"print(preflight_check({call.format('hf_wrong')!r}, {{}}, target='T4'))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], env=_env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("fits LoadCall(") and GOOD_TOKEN not in done.stdout
+    assert "not checked: cannot size org/gated7b: org/gated7b is gated: accept its licence" in done.stdout
+
+
+def test_the_local_hub_speaks_the_protocol_the_real_clients_use(hub, tmp_path):
+    script = "\n".join([
+        "import json",
+        "from huggingface_hub import HfApi, get_safetensors_metadata, hf_hub_download",
+        "import transformers",
+        "api = HfApi()",
+        "info = api.model_info('org/llama7b')",
+        "tree = sorted(f.path for f in api.list_repo_tree('org/llama7b'))",
+        "meta = get_safetensors_metadata('org/llama7b')",
+        "config = transformers.AutoConfig.from_pretrained('org/llama7b')",
+        "print(json.dumps([info.sha, sorted(s.rfilename for s in info.siblings), tree, sum(meta.parameter_count.values()),"
+        " config.hidden_size, config.num_hidden_layers]))",
+    ])
+    done = subprocess.run([sys.executable, "-c", script], env=_env(hub, tmp_path), capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    sha, siblings, tree, parameters, hidden, layers = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sha == hub.repos["org/llama7b"].commit and siblings == tree == sorted(hub.repos["org/llama7b"].files)
+    assert parameters == LLAMA7B_PARAMETERS  # the hub's own header reader agrees with ours
+    assert (hidden, layers) == (4096, 32)
