@@ -97,6 +97,8 @@ def test_remote_estimate_equals_the_local_one_and_is_read_once_per_revision(hub,
         print(json.dumps([first.parameters, first.stored_bytes, first.bytes, first.format, list(first.files),
                           first.declared_dtype, first.hub.headers, first.hub.bytes_read, first.hub.download_bytes,
                           again is not None and again.hub is first.hub]))
+        import sys
+        assert "torch" not in sys.modules and "transformers" not in sys.modules  # the read imports neither
     """)
     requests_before = len(hub.requests)
     done = subprocess.run([sys.executable, "-c", script], env=_env(hub, tmp_path), capture_output=True, text=True,
