@@ -2,7 +2,8 @@
 
 ``estimate_checkpoint("meta-llama/Llama-2-7b-hf", dtype="bfloat16")`` reads safetensors headers
 (or a torch.save zip's directory and pickle opcodes, never executing them) and answers in
-milliseconds, without reading tensor data, importing torch, or going online. A folder with only
+milliseconds, without reading tensor data or importing torch; only a hub id not in the local cache
+goes online, for its config and headers (hub.py). A folder with only
 a config.json is sized by building the model on the meta device through transformers, in a
 child process bounded in time and memory (config_size.py).
 

@@ -1,9 +1,10 @@
 """The fit check on its own: will a checkpoint (or a load cell) fit a device or a target GPU.
 
 ``fit_check`` is ``%%guardload``'s preflight for scripts and pipelines: a checkpoint path (local
-file or folder, sharded index, ``.bin``/``.pt``, or a hub id found in the local cache) is turned
-into the load call it stands for and checked exactly as the guard checks a cell; code is checked
-as written. Headers only: nothing is loaded, downloaded or run, and no CUDA context is created.
+file or folder, sharded index, ``.bin``/``.pt``, or a hub id: from the local cache, else its
+config and safetensors headers read from the hub) is turned into the load call it stands for and
+checked exactly as the guard checks a cell; code is checked as written. Headers only: no weight is
+loaded or downloaded, nothing is run, and no CUDA context is created.
 """
 from __future__ import annotations
 
