@@ -121,6 +121,14 @@ class OomMagics(Magics):
             raise TraitError(f"OomMagics.{name} must be {floor} or more, not {value}; it is unchanged")
         return value
 
+    @validate("hub_timeout")
+    def _positive_seconds(self, proposal: Any) -> float:
+        """A hub timeout of zero or less could never read anything: refused when set."""
+        value = proposal["value"]
+        if not value > 0:
+            raise TraitError(f"OomMagics.hub_timeout must be a positive number of seconds, not {value}; it is unchanged")
+        return float(value)
+
     @validate("guard_headroom")
     def _headroom(self, proposal: Any) -> str:
         from ..fit.preflight import parse_headroom
@@ -208,7 +216,7 @@ class OomMagics(Magics):
         from ..checkpoints.hub import hub_options
         from ..fit.preflight import preflight_check
 
-        with hub_options(timeout=self.hub_timeout if self.hub_timeout > 0 else None):
+        with hub_options(timeout=self.hub_timeout):
             return preflight_check(source, namespace, device=device, headroom=headroom, target=target)
 
     @magic_arguments()

@@ -281,3 +281,17 @@ def test_the_local_hub_speaks_the_protocol_the_real_clients_use(hub, tmp_path):
     assert sha == hub.repos["org/llama7b"].commit and siblings == tree == sorted(hub.repos["org/llama7b"].files)
     assert parameters == LLAMA7B_PARAMETERS  # the hub's own header reader agrees with ours
     assert (hidden, layers) == (4096, 32)
+
+
+def test_a_hub_timeout_that_cannot_work_is_refused_when_set(ip):
+    from traitlets import TraitError
+
+    magics = ip.magics_manager.registry["OomMagics"]
+    with pytest.raises(TraitError, match=r"OomMagics.hub_timeout must be a positive number of seconds, not 0"):
+        magics.hub_timeout = 0
+    assert magics.hub_timeout == 10.0  # unchanged, the default
+    magics.hub_timeout = 2.5
+    try:
+        assert magics.hub_timeout == 2.5
+    finally:
+        magics.hub_timeout = 10.0
