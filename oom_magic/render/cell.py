@@ -9,7 +9,7 @@ from __future__ import annotations
 from ..records.cell import CellReport, WatchStatus
 from ..records.cleanup import FreeReport
 from ..records.shown import renders
-from ..records.snapshot import Snapshot
+from ..records.snapshot import STALE_KINDS, Snapshot
 from .html import bar_html, bar_legend_html, table_html
 from .segments import memory_segments
 from .text import bar, freed_mapped_text, holder_kind_cell, table
@@ -44,7 +44,10 @@ def cell_caption(report: CellReport, *, pinned: bool = False, as_of: bool = Fals
     if change is not None and change.oom:
         parts.append("out of memory")
     # The quick view (no heap scan) sees the output cache and tracebacks, not garbage.
-    parts.append(f"stale {format_bytes(snap.stale_bytes)}" + ("" if snap.heap_scan else " (quick view)"))
+    pages = snap.file_pages
+    mapped = sum(pages.kind_bytes(k) for k in STALE_KINDS) if pages is not None else 0
+    parts.append(f"stale {format_bytes(snap.stale_bytes)}" + ("" if snap.heap_scan else " (quick view)")
+                 + (f" ({format_bytes(mapped)} of it file pages)" if mapped else ""))
     if report.freed is not None:
         mapped = report.freed.freed_mapped
         parts.append(f"freed {format_bytes(report.freed.freed_bytes)}"
