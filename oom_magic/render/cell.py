@@ -49,9 +49,9 @@ def cell_caption(report: CellReport, *, pinned: bool = False, as_of: bool = Fals
     parts.append(f"stale {format_bytes(snap.stale_bytes)}" + ("" if snap.heap_scan else " (quick view)")
                  + (f" ({format_bytes(mapped)} of it file pages)" if mapped else ""))
     if report.freed is not None:
-        mapped = report.freed.freed_mapped
+        freed_mapped = report.freed.freed_mapped
         parts.append(f"freed {format_bytes(report.freed.freed_bytes)}"
-                     + (f" ({format_bytes(mapped)} of it file pages: no memory back)" if mapped else ""))
+                     + (f" ({format_bytes(freed_mapped)} of it file pages: no memory back)" if freed_mapped else ""))
     return " · ".join(parts)
 
 

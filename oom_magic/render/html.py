@@ -82,9 +82,9 @@ def snapshot_html(snap: Snapshot) -> str:
     """The %gpumem report as HTML: usage line, bar, split, processes, top holders."""
     r = snap.reading
     parts = [f"<div class='oom-snapshot'><b>{escape(usage_line(r))}</b>", bar_html(snap)]
-    head = f"this process ({process_resident(snap)})" if snap.device == "cpu" else "this process"
-    parts.append(table_html((head, "bytes", "what it is"),
-                        [(s.label, format_bytes(s.bytes), s.explain) for s in memory_segments(snap) if s.key != "free"]))
+    split = f"this process ({process_resident(snap)})" if snap.device == "cpu" else "this process"
+    parts.append(table_html((split, "bytes", "what it is"),
+                            [(s.label, format_bytes(s.bytes), s.explain) for s in memory_segments(snap) if s.key != "free"]))
     if r.processes:
         kernels = dict(snap.kernels)
         head = ("pid", "process", "user", "Jupyter kernel", "bytes") + (("how to stop it",) if kernels else ())

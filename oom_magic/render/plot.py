@@ -91,9 +91,8 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
         points = [(x, v / unit) for x, v in zip(cells, values) if v is not None]
         if not points:
             continue
-        xs, ys = zip(*points)
         if name.startswith("peak"):  # known for some cells only: a marker where known
-            ax.plot(xs, ys, label=name, marker="^", linestyle="none", markersize=6)
+            ax.plot(*zip(*points), label=name, marker="^", linestyle="none", markersize=6)
             continue
         xs, ys = _measured_runs(cells, values, unit)
         if name == "tensor bytes":  # measured at scanned cells only: joined only between neighbouring ones
