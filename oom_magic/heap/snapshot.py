@@ -84,7 +84,9 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     if where == "cpu":
         storages, pages = _with_file_pages(storages)
         if pages is not None and pages.mapped_bytes:
-            resident = "" if pages.resident is None else f", {format_bytes(pages.resident)} of it in memory now"
+            resident = (f", {format_bytes(pages.resident)} of it in memory now" if pages.resident is not None
+                        else f", at most {format_bytes(pages.process_file_resident)} of it in memory now"
+                        if pages.process_file_resident is not None else "")
             notes.append(f"{format_bytes(pages.mapped_bytes)} of tensors are views of "
                          f"{format_bytes(pages.file_bytes)} of {pages.files} memory-mapped "
                          f"file{'s' if pages.files != 1 else ''}{resident} (weights loaded in their stored dtype): "

@@ -77,12 +77,12 @@ class FilePages:
 
     Those bytes are the file's pages, not this process's anonymous memory: in memory only once
     read, counted by the kernel as available (it can drop them), and freeing the tensors gives
-    none of it back. The bar shows the part in memory now beside free, never as used.
+    none of it back. The bar shows this process's file pages in memory now beside free, never as used.
     """
 
     mapped_by_kind: tuple[tuple[HolderKind, int], ...]  # tensor bytes that are views of a file, per holder kind
     file_bytes: int             # distinct file bytes those views cover (one file loaded twice counts once)
-    resident: int | None        # of file_bytes, the pages in memory now; None where the kernel was not asked
+    resident: int | None        # of file_bytes, the pages in memory now; None where not looked up (too many pages)
     files: int                  # how many distinct files the views come from
     process_file_resident: int | None  # this process's resident set that is file pages (Linux RssFile)
 
@@ -159,10 +159,11 @@ class Snapshot(Shown):
         cache | context | other processes | free; None where unknown. They add up to the device.
 
         On the cpu the tensor parts are anonymous memory only: tensors that are views of a mapped
-        file are its file pages, which the kernel counts as available; the part of them in memory
-        now is shown as ``mapped`` beside free (free is the rest of available). The rest of this
-        process is its anonymous resident memory outside tensors, and other processes what is used
-        beyond it, so user + stale + other + rest + others = used, and mapped + free = available.
+        file are its file pages, which the kernel counts as available; this process's file pages in
+        memory now (those weights', its libraries') are ``mapped``, beside free (the rest of
+        available). The rest of this process is its anonymous resident memory outside tensors, and
+        other processes what is used beyond it, so user + stale + other + rest + others = used, and
+        mapped + free = available.
         """
         r = self.reading
         if self.device != "cpu":
@@ -181,7 +182,7 @@ class Snapshot(Shown):
         elsewhere = None
         if r.used is not None and anonymous is not None:
             elsewhere = max(r.used - max(anonymous, in_tensors), 0)
-        mapped = None if pages is None or pages.resident is None else pages.resident
+        mapped = None if pages is None else pages.process_file_resident
         free = r.free
         if mapped is not None and free is not None:
             mapped = min(mapped, free)

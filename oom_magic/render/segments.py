@@ -60,11 +60,13 @@ def memory_segments(snap: Snapshot) -> tuple[Segment, ...]:
 
 
 def _file_pages_explain(snap: Snapshot) -> str:
-    """What the mapped part is: the files' pages in memory now, counted as available, and what maps them."""
+    """What the mapped part is: this process's file pages in memory now, counted as available, and what maps them."""
+    why = "the kernel can drop them, so they count as available, not used"
     pages = snap.file_pages
     if pages is None or not pages.mapped_bytes:
-        return "pages of memory-mapped files in memory now; the kernel can drop them (available)"
+        return f"this process's file pages in memory now (its libraries, mapped files); {why}"
     files = f"{pages.files} file{'s' if pages.files != 1 else ''}"
-    return (f"in memory now, of the {format_bytes(pages.file_bytes)} of {files} that "
-            f"{format_bytes(pages.mapped_bytes)} of tensors map (weights in their stored dtype); "
-            "the kernel can drop these pages, so they count as available, not used")
+    of_them = "" if pages.resident is None else f", {format_bytes(pages.resident)} of it in memory"
+    return (f"this process's file pages in memory now: {format_bytes(pages.mapped_bytes)} of tensors view "
+            f"{format_bytes(pages.file_bytes)} of {files}{of_them} (weights in their stored dtype), and its "
+            f"libraries; {why}")
