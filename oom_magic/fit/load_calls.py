@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 
 from .cell_values import DeviceValue, DtypeValue, Opaque, QuantValue, Resolver, Symbol, Unknown, float_dtype
 from ..common.errors import OomMagicError
-from ..records.preflight import LoadCall, LoadKind
+from ..records.request import LoadKind, LoadRequest
 from ..common.sizes import shorten
 
 __all__ = ["device_text", "find_load_calls", "scan_cell"]
@@ -143,7 +143,7 @@ def _own_calls(stmt: ast.stmt) -> Iterator[ast.Call]:
             stack.append(child)
 
 
-def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tuple[LoadCall, ...]:
+def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tuple[LoadRequest, ...]:
     """Find the model and checkpoint loads in a cell's source, without running it.
 
     Raises OomMagicError when the cell is not valid Python (after IPython's transforms).
@@ -151,7 +151,7 @@ def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tu
     return scan_cell(cell, namespace)[0]
 
 
-def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[LoadCall, ...], tuple[str, ...]]:
+def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[LoadRequest, ...], tuple[str, ...]]:
     """The load calls, and a note for each namespace object the resolver had to skip."""
     try:
         tree = ast.parse(cell)
@@ -159,7 +159,7 @@ def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[Loa
         raise OomMagicError(f"the cell is not valid Python (line {exc.lineno}: {exc.msg}); nothing was checked") from None
     resolver = Resolver(namespace if namespace is not None else {})
     parents = _parents(tree)
-    found: list[tuple[LoadCall, ast.Call]] = []
+    found: list[tuple[LoadRequest, ast.Call]] = []
     for stmt in _statements(tree.body):
         for node in sorted(_own_calls(stmt), key=lambda n: (n.lineno, n.col_offset)):
             kind = _kind_of(resolver, node)
@@ -227,10 +227,10 @@ def _move_effect(method: str, call: ast.Call, resolver: Resolver, moved: str | N
     return moved, cast
 
 
-def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadCall, ast.Call]],
+def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadRequest, ast.Call]],
                  parents: dict[int, ast.AST]) -> None:
     """``model.to("cuda")`` / ``model = model.cuda()`` in a later statement moves that load's result."""
-    targets = {call.target: i for i, (call, _) in enumerate(found) if call.target}
+    targets = {call.variable: i for i, (call, _) in enumerate(found) if call.variable}
     if not targets:
         return
     for node in _own_calls(stmt):
@@ -245,7 +245,7 @@ def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadCall,
         found[index] = (replace(call, moved_to=moved, cast_to=cast), origin)
 
 
-def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadCall:
+def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
     notes: list[str] = []
     path_node = _arg(node, 0, "pretrained_model_name_or_path", "f", "filename")
     path_value = resolver.value(path_node) if path_node is not None else Unknown("no checkpoint argument")
@@ -296,9 +296,9 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     else:
         device = _placement(resolver.value(_arg(node, 1, "device")), notes, "device") or "cpu"
     moved, cast = _chain_effects(node, parents, resolver)
-    return LoadCall(
-        kind=kind, line=node.lineno, source=shorten(ast.unparse(node), 120),
-        target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
+    return LoadRequest(
+        kind=kind, line=node.lineno, source=ast.unparse(node),
+        variable=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
         moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip,

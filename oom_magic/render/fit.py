@@ -42,7 +42,8 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
     checks = []
     for check in preflight.checks:
         checks.append({
-            "line": check.call.line, "source": check.call.source, "checkpoint": check.call.checkpoint,
+            "line": check.call.line, "source": check.call.source, "loader": check.call.kind,
+            "checkpoint": check.call.checkpoint,
             "device": check.device, "verdict": check.verdict, "reason": check.reason,
             "need": check.need, "dtype": check.dtype, "free": check.free, "context": check.context,
             "headroom": check.headroom, "budget": check.budget, "margin": check.margin,

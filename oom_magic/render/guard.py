@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from ..common.sizes import shorten
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
 from ..records.shown import renders
@@ -32,7 +33,8 @@ def lint_text(lint: Lint) -> str:
     """One line: the problem with its sizes, then the fix."""
     message = lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
     tag = "note" if lint.severity == "info" else "lint"
-    return one_line(f"{tag} (line {lint.line}): {message} → {lint.fix}")
+    where = f" (line {lint.line})" if lint.line is not None else ""
+    return one_line(f"{tag}{where}: {message} → {lint.fix}")
 
 
 def cleanup_line(report: FreeReport) -> str:
@@ -64,12 +66,17 @@ def allocator_line(setting: AllocatorSetting) -> str:
 
 def _check_lines(check: FitCheck) -> list[str]:
     call = check.call
-    where = f" → {call.target}" if call.target else ""
-    lines = [f"preflight (line {call.line}){where}: {call.source}"]
+    lines: list[str] = []
+    if call.line is not None:  # a load written in a cell: the line as the user wrote it
+        where = f" → {call.variable}" if call.variable else ""
+        lines.append(f"preflight (line {call.line}){where}: {shorten(call.source or '', 120)}")
+    indent = "  " if lines else ""  # a checkpoint named to the command heads its own report
     if check.parameters is not None:
         as_what = f"as {check.dtype}" if check.dtype else "as stored"
-        lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
+        lines.append(f"{indent}checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
                      f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
+    elif not lines:
+        lines.append(f"checkpoint {call.checkpoint}")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines

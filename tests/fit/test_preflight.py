@@ -89,7 +89,7 @@ def test_from_pretrained_arguments_resolve_from_the_user_namespace(models):
     (call,) = find_load_calls(cell, ns)  # the tokenizer is not a weight load
     assert call.kind == "from_pretrained"
     assert call.line == 3
-    assert call.target == "model"
+    assert call.variable == "model"
     assert call.checkpoint == str(models["fp32"])
     assert call.dtype == "bfloat16"
     assert call.device == "cuda"
