@@ -8,6 +8,7 @@ never unpickled. The result is a ``Preflight`` record (``records.preflight``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -266,7 +267,9 @@ def _check_call(call: LoadRequest, guard_device: str | None, budgets: _Budgets) 
         estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained")
     except OomMagicError as exc:
         lints = load_lints(call, None, None, None)
-        return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
+        said = str(exc)  # a reader's message that starts with the path already names it
+        named = said.startswith((call.checkpoint, os.path.abspath(call.checkpoint)))
+        return _unknown(call, where, f"cannot size {said}" if named else f"cannot size {call.checkpoint}: {said}"), lints
     if call.kind == "torch.load":
         try:
             keys = read_checkpoint_keys(estimate.files[0]) if len(estimate.files) == 1 else None

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import lint_text, option_code, preflight_html, preflight_text, target_label
+from .guard import lint_message, lint_text, option_code, preflight_html, preflight_text, target_label
 from .json import record_dict
 from .units import format_bytes
 
@@ -20,16 +20,25 @@ def verdict_line(preflight: Preflight) -> str:
         return f"not checked: {reason}"
     if preflight.fits:
         check = preflight.checks[0]
-        return f"fits on {_where(check)}: {format_bytes(check.need)} needed, {format_bytes(check.margin)} to spare"
+        return (f"fits on {_where(check)}{_sized_from(check)}: {format_bytes(check.need)} needed, "
+                f"{format_bytes(check.margin)} to spare")
     check = preflight.will_not_fit[0]
     first = next((o for o in check.options if o.fits), None)
     hint = f"; fits with {option_code(first)}" if first is not None else ""
-    return (f"WILL NOT FIT on {_where(check)}: {format_bytes(check.need)} needed, "
+    return (f"WILL NOT FIT on {_where(check)}{_sized_from(check)}: {format_bytes(check.need)} needed, "
             f"{format_bytes(-(check.margin or 0))} short{hint}")
 
 
+def _sized_from(check: FitCheck) -> str:
+    """A verdict from config.json alone says so: the folder holds no weights (a failed download looks the same)."""
+    return " (no weights found: sized from config.json)" if check.format == "config-only" else ""
+
+
 def fit_text(preflight: Preflight) -> str:
-    """The preflight as %%guardload prints it, then the verdict line."""
+    """The preflight as %%guardload prints it, then the verdict line (left out when nothing was checked:
+    the reason is already in the preflight, and the command's error line follows)."""
+    if preflight.fits is None and preflight.checks:
+        return preflight_text(preflight)
     return f"{preflight_text(preflight)}\n{verdict_line(preflight)}"
 
 
@@ -49,15 +58,17 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
             "headroom": check.headroom, "budget": check.budget, "margin": check.margin,
             "parameters": check.parameters, "format": check.format, "files": check.files,
             "split": [list(s) for s in check.split],
-            "target": record_dict(check.target) if check.target is not None else None,
+            # the request's target too: a load that could not be sized was still asked about that GPU
+            "target": record_dict(target) if (target := check.target or check.call.target) is not None else None,
             "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],
         })
     return {
         "fits": preflight.fits,
         "verdict": "unknown" if preflight.fits is None else "fits" if preflight.fits else "will-not-fit",
-        "summary": verdict_line(preflight),
+        # unsized: the reason is the check's own, said once there
+        "summary": verdict_line(preflight) if preflight.fits is not None or not preflight.checks else "not checked",
         "checks": checks,
-        "lints": [dict(record_dict(x), text=lint_text(x)) for x in preflight.lints],
+        "lints": [dict(record_dict(x), message=lint_message(x), text=lint_text(x)) for x in preflight.lints],
         "notes": list(preflight.notes),
     }
 

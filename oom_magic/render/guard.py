@@ -29,9 +29,14 @@ __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagn
            "size_literal", "target_label", "target_place"]
 
 
+def lint_message(lint: Lint) -> str:
+    """The lint's problem with its sizes filled in."""
+    return lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
+
+
 def lint_text(lint: Lint) -> str:
     """One line: the problem with its sizes, then the fix."""
-    message = lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
+    message = lint_message(lint)
     tag = "note" if lint.severity == "info" else "lint"
     where = f" (line {lint.line})" if lint.line is not None else ""
     return one_line(f"{tag}{where}: {message} → {lint.fix}")
@@ -71,7 +76,11 @@ def _check_lines(check: FitCheck) -> list[str]:
         where = f" → {call.variable}" if call.variable else ""
         lines.append(f"preflight (line {call.line}){where}: {shorten(call.source or '', 120)}")
     indent = "  " if lines else ""  # a checkpoint named to the command heads its own report
-    if check.parameters is not None:
+    if check.parameters is not None and check.format == "config-only":  # no weights: say what was sized instead
+        lines.append(f"{indent}checkpoint {call.checkpoint}: no weight files found; sized from config.json (the model "
+                     f"it describes): {check.parameters:,} parameters, {format_bytes(check.need)} as "
+                     f"{check.dtype or 'float32'}")
+    elif check.parameters is not None:
         as_what = f"as {check.dtype}" if check.dtype else "as stored"
         lines.append(f"{indent}checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
                      f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
