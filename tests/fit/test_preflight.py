@@ -477,3 +477,40 @@ def test_host_budgets_read_this_machine(tmp_path):
     assert ram_total() == psutil.virtual_memory().total
     assert 0 < disk_free(str(tmp_path)) <= psutil.disk_usage(str(tmp_path)).total
     assert cuda_process_cap("cpu") is None  # only a CUDA device can carry a per-process cap
+
+
+def test_the_preflight_never_calls_a_user_objects_fspath(ip):
+    """A check that promises to run no user code reads a path only from an exact str or pathlib path."""
+    from pathlib import PurePosixPath
+
+    calls: list[str] = []
+
+    class TrackedPath:  # os.PathLike by protocol: __fspath__ is the user's code
+        def __fspath__(self) -> str:
+            calls.append("TrackedPath.__fspath__")
+            return "/models/tracked"
+
+    class MyPath(PurePosixPath):  # a pathlib subclass is user code too
+        def __fspath__(self) -> str:
+            calls.append("MyPath.__fspath__")
+            return "/models/mine"
+
+        def __str__(self) -> str:
+            calls.append("MyPath.__str__")
+            return "/models/mine"
+
+    ip.user_ns.update(p=TrackedPath(), q=MyPath("/models/q"))
+    report = ip.run_cell_magic("guardload", "--device cpu", "y = p\nz = q")
+    assert calls == []  # neither the preflight nor the guard read them
+    assert ip.user_ns["y"] is ip.user_ns["p"] and report.preflight.calls == ()
+    cell = ("from transformers import AutoModelForCausalLM\n"
+            "a = AutoModelForCausalLM.from_pretrained(p)\n"
+            "b = AutoModelForCausalLM.from_pretrained(q)\n")
+    a, b = find_load_calls(cell, ip.user_ns)
+    assert calls == []
+    assert a.checkpoint is None and "is a TrackedPath object, not a path or hub id" in a.unresolved
+    assert b.checkpoint is None and "is a MyPath object, not a path or hub id" in b.unresolved
+    from pathlib import Path
+
+    exact = find_load_calls(cell.replace("(q)", "(r)"), {"p": "/models/s", "r": Path("/models/r")})
+    assert [c.checkpoint for c in exact] == ["/models/s", "/models/r"]  # exact str and Path still read
