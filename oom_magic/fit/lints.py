@@ -28,7 +28,9 @@ def load_lints(call: LoadRequest, estimate: Any, keys: CheckpointKeys | None, lo
             found.append(Lint(
                 "fp32-of-half", call.line,
                 f"loads in float32 a model whose config.json declares {declared}: {{fp32}} instead of {{half}}",
-                f'pass dtype=torch.{declared} (or dtype="auto")',
+                # a checkpoint named to the command or fit_check() has no call to edit: name the flag
+                f'pass --dtype {declared} (dtype="{declared}" in fit_check())' if call.origin == "checkpoint"
+                else f'pass dtype=torch.{declared} (or dtype="auto")',
                 sizes=(("fp32", estimate.bytes_for("float32")), ("half", half))))
     return found
 

@@ -55,6 +55,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     params = sum(p.numel() for p in model.parameters())
+    model.to(torch.bfloat16).save_pretrained(base / "half")  # config.json declares bfloat16 (last: casts in place)
     return {"base": base, "params": params, "home": home, "commit": commit, "adam_bytes": adam_bytes}
 
 
@@ -265,3 +266,14 @@ def test_json_target_source_and_lint_figures(models):
 
     source = fit_dict(oom_magic.fit_check(cell, namespace={"p": str(models["base"] / "single")}))["checks"][0]["source"]
     assert len(cell.split(" = ", 1)[1]) > 120 and source == cell.split(" = ", 1)[1] and "…" not in source
+
+
+def test_a_lint_on_a_named_checkpoint_names_the_flag_not_code(models):
+    record = oom_magic.fit_check(str(models["base"] / "half"), device="cpu", dtype="float32")
+    lint = record.lint("fp32-of-half")
+    assert lint is not None and lint.line is None
+    assert lint.fix == 'pass --dtype bfloat16 (dtype="bfloat16" in fit_check())'
+    assert dict(lint.sizes) == {"fp32": 4 * models["params"], "half": 2 * models["params"]}
+    cell = "m = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)"
+    written = oom_magic.fit_check(cell, namespace={"p": str(models["base"] / "half")}).lint("fp32-of-half")
+    assert written is not None and written.fix.startswith("pass dtype=torch.bfloat16") and written.line == 1
