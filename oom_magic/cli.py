@@ -10,20 +10,33 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 from collections.abc import Sequence
 
 from .fit.check import DTYPES, QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from .records.preflight import Preflight
 
 FITS, WILL_NOT_FIT, BAD_INPUT = 0, 1, 2
 _MISSING_FIX = "; pass a checkpoint folder, a .safetensors/.bin/.pt file or shard index, or a hub id (org/name)"
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line naming the fix, with exit status 2."""
+    """argparse whose errors are one line naming the fix, with exit status 2 (as JSON under --json)."""
+
+    json_errors = False  # set by main when --json is on the command line: a pipeline parses stdout
 
     def error(self, message: str) -> NoReturn:
-        self.exit(BAD_INPUT, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        text = f"{message} (see {self.prog} --help)"
+        if self.json_errors:
+            _print_json({"verdict": "error", "error": text})
+            self.exit(BAD_INPUT)
+        self.exit(BAD_INPUT, f"{self.prog}: {text}\n")
+
+
+def _print_json(data: object) -> None:
+    print(json.dumps(data, indent=2), flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    args_given = list(sys.argv[1:] if argv is None else argv)
+    _Parser.json_errors = "--json" in args_given
+    args = build_parser().parse_args(args_given)
     from .common.errors import OomMagicError
     from .fit.check import fit_check
 
@@ -85,19 +100,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                               hub_timeout=args.hub_timeout)
     except OomMagicError as exc:
         fix = _MISSING_FIX if str(exc).startswith(("no such file", "cannot find checkpoint")) else ""
-        print(f"oom-magic fit: {exc}{fix}", file=sys.stderr)
-        return BAD_INPUT
-    from .render.fit import fit_dict, fit_text, verdict_line
+        return _fail(args.json, f"{exc}{fix}")
+    from .render.fit import fit_dict, fit_text
 
     try:
-        print(json.dumps(fit_dict(preflight), indent=2) if args.json else fit_text(preflight), flush=True)
+        if args.json:
+            _print_json(fit_dict(preflight))
+        else:
+            print(fit_text(preflight), flush=True)
     except BrokenPipeError:  # `oom-magic fit ... | head`: the reader left; the exit status still tells
         sys.stdout = None  # no second error when Python flushes at exit
     if preflight.fits is None:
-        fix = ""
-        if not args.target and any((c.reason or "").startswith("this machine has no") for c in preflight.checks):
-            fix = "; pass --target GPU (T4, 16GiB, ...) to check against a GPU this machine does not have"
-        print(f"oom-magic fit: {verdict_line(preflight)}{fix}", file=sys.stderr)
+        if not args.json:  # the reason is in the report above; this line says what to do (JSON holds it already)
+            print(f"oom-magic fit: nothing was checked; {_unchecked_fix(preflight, args.target)}", file=sys.stderr)
         return BAD_INPUT
     return FITS if preflight.fits else WILL_NOT_FIT
 
@@ -117,13 +132,34 @@ def _gguf(args: argparse.Namespace) -> int:
                                   revision=args.revision, headroom=args.headroom,
                                   device=args.device if args.device and args.device.startswith("cuda") else "cuda:0")
     except OomMagicError as exc:
-        print(f"oom-magic fit: {exc}", file=sys.stderr)
-        return BAD_INPUT
-    print(json.dumps(record_dict(load), indent=2) if args.json else llama_cpp_text(load), flush=True)
+        return _fail(args.json, str(exc))
+    if args.json:
+        _print_json(record_dict(load))
+    else:
+        print(llama_cpp_text(load), flush=True)
     if load.fits is None:
         print("oom-magic fit: not checked: no GPU budget here; pass --target GPU (T4, 16GiB, ...)", file=sys.stderr)
         return BAD_INPUT
     return FITS if load.fits else WILL_NOT_FIT
+
+
+def _fail(as_json: bool, message: str) -> int:
+    """Bad input: one line on stderr, or under --json the error as JSON on stdout; exit 2."""
+    if as_json:
+        _print_json({"verdict": "error", "error": message})
+    else:
+        print(f"oom-magic fit: {message}", file=sys.stderr)
+    return BAD_INPUT
+
+
+def _unchecked_fix(preflight: Preflight, target: str | None) -> str:
+    """What to do when no load could be sized, from why it could not."""
+    reasons = [c.reason or "" for c in preflight.checks]
+    if not target and any(r.startswith("this machine has no") for r in reasons):
+        return "pass --target GPU (T4, 16GiB, ...) to check against a GPU this machine does not have"
+    if any("download is incomplete" in r for r in reasons):
+        return "download the checkpoint again (its shard index names files that are not there)"
+    return "see the reason above"
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m oom_magic.cli

@@ -12,7 +12,7 @@ import ast
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path, PurePath
+from pathlib import Path, PosixPath, PurePath, PurePosixPath, PureWindowsPath, WindowsPath
 from types import ModuleType
 from typing import Any, cast
 from collections.abc import Iterable, Mapping, Sized
@@ -135,6 +135,9 @@ def odd_metaclass(obj: object) -> str | None:
     return None
 
 
+_PATH_TYPES = (Path, PosixPath, WindowsPath, PurePath, PurePosixPath, PureWindowsPath)
+
+
 def _from_object(obj: object, depth: int = 0) -> object:
     """A namespace value as the resolver sees it: plain data, a symbol, or an opaque object."""
     odd = odd_metaclass(obj)
@@ -142,7 +145,7 @@ def _from_object(obj: object, depth: int = 0) -> object:
         return Unknown(f"a value that cannot be inspected ({odd}) was skipped")
     if obj is None or type(obj) in (str, int, float, bool):
         return obj
-    if issubclass(type(obj), PurePath):
+    if type(obj) in _PATH_TYPES:  # exact pathlib types: a subclass's __fspath__ or __str__ is user code
         return Path(cast(PurePath, obj))
     cls = type(obj)
     if cls.__module__ == "torch" and cls.__name__ == "dtype":
@@ -164,12 +167,7 @@ def _from_object(obj: object, depth: int = 0) -> object:
     name = _qualified(obj)
     if name is not None:
         return Symbol(name)
-    if issubclass(type(obj), os.PathLike):
-        try:
-            return Path(os.fspath(cast("os.PathLike[str]", obj)))
-        except Exception:
-            return Unknown(f"a {cls.__name__} path")
-    return Opaque(obj)
+    return Opaque(obj)  # any other path-like object: reading it would run its __fspath__
 
 
 def _quant_from_object(obj: object) -> QuantValue | None:

@@ -2,9 +2,10 @@
 
 ``fit_check`` is ``%%guardload``'s preflight for scripts and pipelines: a checkpoint path (local
 file or folder, sharded index, ``.bin``/``.pt``, or a hub id: from the local cache, else its
-config and safetensors headers read from the hub) is turned into the load call it stands for and
-checked exactly as the guard checks a cell; code is checked as written. Headers only: no weight is
-loaded or downloaded, nothing is run, and no CUDA context is created.
+config and safetensors headers read from the hub) is turned into the load request it stands for
+(``checkpoint_request``) and checked by the same pipeline as a cell's loads
+(``preflight.check_requests``); code is checked as written. Headers only: no weight is loaded or
+downloaded, nothing is run, and no CUDA context is created.
 """
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from typing import Any
 from collections.abc import Mapping
 
 from ..common.errors import OomMagicError
-from .preflight import Preflight, preflight_check
+from ..common.sizes import parse_headroom
+from ..records.request import LoadRequest
+from ..records.target import Target
+from .preflight import Preflight, check_requests, preflight_check
+from .targets import parse_target
 
-__all__ = ["QUANTIZATIONS", "DTYPES", "fit_check", "load_source"]
+__all__ = ["QUANTIZATIONS", "DTYPES", "checkpoint_request", "fit_check"]
 
 DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "nf4", "fp4")
@@ -55,12 +60,13 @@ def _quantization(quantization: str | None) -> str | None:
     return text
 
 
-def load_source(path: str | os.PathLike[str], *, device: str, dtype: str | None = None,
-                quantization: str | None = None, revision: str | None = None) -> str:
-    """The one-line load a checkpoint stands for, as %%guardload would read it.
+def checkpoint_request(path: str | os.PathLike[str], *, device: str, dtype: str | None = None,
+                       quantization: str | None = None, target: Target | None = None,
+                       runs_here: bool = True, revision: str | None = None) -> LoadRequest:
+    """The load request a checkpoint named to the command or ``fit_check()`` stands for.
 
-    A folder or hub id loads with ``from_pretrained``; a single ``.bin``/``.pt`` file with
-    ``torch.load``, a ``.safetensors`` file with ``load_file`` (a dtype becomes ``.to(dtype)``).
+    A folder, shard index or hub id loads with ``from_pretrained``; a single ``.bin``/``.pt`` file
+    with ``torch.load``, a ``.safetensors`` file with ``load_file`` (a dtype is a cast after the load).
     """
     from ..checkpoints.files import resolve_checkpoint, uncached_hub_id
 
@@ -72,22 +78,14 @@ def load_source(path: str | os.PathLike[str], *, device: str, dtype: str | None 
         if quantization is not None:
             raise OomMagicError(f"quantization applies to a model folder or hub id (from_pretrained), not the single "
                                 f"file {local.name}: pass the folder that holds it")
-        cast = f".to(torch.{dtype})" if dtype else ""
-        if local.suffix in _TORCH_FILES:
-            return f"state = torch.load({text!r}, map_location={device!r}, weights_only=True){cast}"
-        return f"state = safetensors.torch.load_file({text!r}, device={device!r}){cast}"
-    folder = str(local.parent) if local is not None and local.is_file() else text  # an index names its folder
-    args = [repr(folder)]
-    if revision is not None:
-        args.append(f"revision={str(revision)!r}")
-    if dtype:
-        args.append(f"dtype=torch.{dtype}")
-    if quantization == "int8":
-        args.append("quantization_config=BitsAndBytesConfig(load_in_8bit=True)")
-    elif quantization is not None:
-        args.append(f"quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type={quantization!r})")
-    args.append(f"device_map={device!r}")
-    return f"model = AutoModelForCausalLM.from_pretrained({', '.join(args)})"
+        if local.suffix in _TORCH_FILES:  # loaded as the guard advises: onto the device, tensors only
+            return LoadRequest("torch.load", text, origin="checkpoint", device=device, map_location_given=True,
+                               weights_only=True, cast_to=dtype, target=target, runs_here=runs_here)
+        return LoadRequest("load_file", text, origin="checkpoint", device=device, cast_to=dtype, target=target,
+                           runs_here=runs_here)
+    folder = str(local.parent) if local is not None and local.is_file() else text  # a shard index names its folder
+    return LoadRequest("from_pretrained", folder, origin="checkpoint", dtype=dtype, quantization=quantization,
+                       device=device, target=target, runs_here=runs_here, revision=revision)
 
 
 def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | None = None, target: Any = None,
@@ -100,10 +98,11 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
     or code holding ``from_pretrained`` / ``torch.load`` / ``load_file`` calls (names in it resolve
     against ``namespace``). ``device`` is where the weights go ("cuda", "cuda:1", "cpu", "auto" for
     ``device_map="auto"``; default: the current CUDA device, else cpu); ``target`` ("T4", "16GiB")
-    checks against that GPU's usable memory instead of this machine's. ``dtype`` and
-    ``quantization`` ("int8", "nf4", "fp4") say how a checkpoint path is loaded. Returns the
-    ``Preflight`` record ``%%guardload`` prints (``.fits``: True, False, or None when nothing could
-    be sized); raises ``OomMagicError`` with the fix for a missing path, unknown target or dtype.
+    checks against that GPU's usable memory instead of this machine's (and against this machine
+    too when ``device`` is given). ``dtype`` and ``quantization`` ("int8", "nf4", "fp4") say how a
+    checkpoint path is loaded. Returns the ``Preflight`` record ``%%guardload`` prints (``.fits``:
+    True, False, or None when nothing could be sized); raises ``OomMagicError`` with the fix for a
+    missing path, unknown target or dtype.
 
     A hub id not in the local cache is sized from its config.json and safetensors headers read from
     the hub at ``revision`` (``token``: else HF_TOKEN or the saved login), within ``hub_timeout``
@@ -126,6 +125,8 @@ def _fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | No
             raise OomMagicError("dtype and quantization apply to a checkpoint path; in code, write them in the call")
         return preflight_check(str(path_or_cell_or_call), namespace or {}, device=device, headroom=headroom,
                                target=target)
+    parse_headroom(headroom, 0)  # a bad spelling fails before any file is read
+    rehearsed = parse_target(target) if target is not None else None
     from ..checkpoints.files import uncached_hub_id
 
     remote = uncached_hub_id(path_or_cell_or_call)
@@ -133,11 +134,11 @@ def _fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | No
         from ..checkpoints.hub import read_hub_checkpoint
 
         read_hub_checkpoint(remote, revision=revision)  # kept per (repo, revision) for the estimate
+    runs_here = device is not None  # a target alone: the load runs there, not on this machine
     if device is None:
         from ..device.reading import default_device
 
-        device = "cuda" if target is not None else default_device()
-    source = load_source(path_or_cell_or_call, device=str(device), dtype=dtype, quantization=quantization,
-                         revision=revision)
-    return preflight_check(source, {}, device=None if device == "auto" else str(device), headroom=headroom,
-                           target=target)
+        device = "cuda" if rehearsed is not None else default_device()
+    request = checkpoint_request(path_or_cell_or_call, device=str(device), dtype=dtype, quantization=quantization,
+                                 target=rehearsed, runs_here=runs_here, revision=revision)
+    return check_requests((request,), device=None if device == "auto" else str(device), headroom=headroom)

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints.files import CheckpointKeys
-from ..records.preflight import LoadCall, Lint
+from ..records.preflight import Lint
+from ..records.request import LoadRequest
 
 __all__ = ["load_lints"]
 
 
-def load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None, load_dtype: str | None) -> list[Lint]:
+def load_lints(call: LoadRequest, estimate: Any, keys: CheckpointKeys | None, load_dtype: str | None) -> list[Lint]:
     """What in this load call should change (``estimate`` and ``keys`` None when the file was not read)."""
     found: list[Lint] = []
     if call.kind == "torch.load":
@@ -27,12 +28,14 @@ def load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None, load_
             found.append(Lint(
                 "fp32-of-half", call.line,
                 f"loads in float32 a model whose config.json declares {declared}: {{fp32}} instead of {{half}}",
-                f'pass dtype=torch.{declared} (or dtype="auto")',
+                # a checkpoint named to the command or fit_check() has no call to edit: name the flag
+                f'pass --dtype {declared} (dtype="{declared}" in fit_check())' if call.origin == "checkpoint"
+                else f'pass dtype=torch.{declared} (or dtype="auto")',
                 sizes=(("fp32", estimate.bytes_for("float32")), ("half", half))))
     return found
 
 
-def _torch_load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None) -> list[Lint]:
+def _torch_load_lints(call: LoadRequest, estimate: Any, keys: CheckpointKeys | None) -> list[Lint]:
     found: list[Lint] = []
     name = Path(call.checkpoint).name if call.checkpoint else "the checkpoint"
     saved_on_cpu = keys is not None and bool(keys.locations) and all(loc == "cpu" for loc in keys.locations)

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 
 from .cell_values import DeviceValue, DtypeValue, Opaque, QuantValue, Resolver, Symbol, Unknown, float_dtype
 from ..common.errors import OomMagicError
-from ..records.preflight import LoadCall, LoadKind
+from ..records.request import LoadKind, LoadRequest
 from ..common.sizes import shorten
 
 __all__ = ["device_text", "find_load_calls", "scan_cell"]
@@ -152,7 +152,7 @@ def _own_calls(stmt: ast.stmt) -> Iterator[ast.Call]:
             stack.append(child)
 
 
-def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tuple[LoadCall, ...]:
+def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tuple[LoadRequest, ...]:
     """Find the model and checkpoint loads in a cell's source, without running it.
 
     Raises OomMagicError when the cell is not valid Python (after IPython's transforms).
@@ -160,7 +160,7 @@ def find_load_calls(cell: str, namespace: Mapping[str, Any] | None = None) -> tu
     return scan_cell(cell, namespace)[0]
 
 
-def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[LoadCall, ...], tuple[str, ...]]:
+def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[LoadRequest, ...], tuple[str, ...]]:
     """The load calls, and a note for each namespace object the resolver had to skip."""
     try:
         tree = ast.parse(cell)
@@ -168,7 +168,7 @@ def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[Loa
         raise OomMagicError(f"the cell is not valid Python (line {exc.lineno}: {exc.msg}); nothing was checked") from None
     resolver = Resolver(namespace if namespace is not None else {})
     parents = _parents(tree)
-    found: list[tuple[LoadCall, ast.Call]] = []
+    found: list[tuple[LoadRequest, ast.Call]] = []
     for stmt in _statements(tree.body):
         for node in sorted(_own_calls(stmt), key=lambda n: (n.lineno, n.col_offset)):
             kind = _kind_of(resolver, node)
@@ -236,10 +236,10 @@ def _move_effect(method: str, call: ast.Call, resolver: Resolver, moved: str | N
     return moved, cast
 
 
-def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadCall, ast.Call]],
+def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadRequest, ast.Call]],
                  parents: dict[int, ast.AST]) -> None:
     """``model.to("cuda")`` / ``model = model.cuda()`` in a later statement moves that load's result."""
-    targets = {call.target: i for i, (call, _) in enumerate(found) if call.target}
+    targets = {call.variable: i for i, (call, _) in enumerate(found) if call.variable}
     if not targets:
         return
     for node in _own_calls(stmt):
@@ -254,7 +254,7 @@ def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadCall,
         found[index] = (replace(call, moved_to=moved, cast_to=cast), origin)
 
 
-def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadCall:
+def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
     notes: list[str] = []
     if kind == "llama_cpp":
         return _describe_llama_cpp(node, stmt, resolver, parents)
@@ -316,12 +316,12 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     else:
         device = _placement(resolver.value(_arg(node, 1, "device")), notes, "device") or "cpu"
     moved, cast = _chain_effects(node, parents, resolver)
-    source = shorten(ast.unparse(node), 120)
+    source = ast.unparse(node)
     if token is not None:
         source = source.replace(token, "***")  # a token written in the cell is never printed back
-    return LoadCall(
+    return LoadRequest(
         kind=kind, line=node.lineno, source=source,
-        target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
+        variable=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
         moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip, revision=revision,
@@ -339,7 +339,7 @@ def _int_arg(resolver: Resolver, node: ast.AST | None) -> object:
         return resolver.value(node)
 
 
-def _describe_llama_cpp(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadCall:
+def _describe_llama_cpp(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
     """llama_cpp.Llama(model_path=..., n_gpu_layers=..., n_ctx=...) or Llama.from_pretrained(repo_id, filename)."""
     remote = isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained"
     where = resolver.value(_arg(node, 0, "repo_id" if remote else "model_path"))
@@ -354,9 +354,9 @@ def _describe_llama_cpp(node: ast.Call, stmt: ast.stmt, resolver: Resolver, pare
     n_gpu_layers = layers if isinstance(layers, int) and not isinstance(layers, bool) else None
     n_ctx = ctx if isinstance(ctx, int) and not isinstance(ctx, bool) else None
     device = "cpu" if not n_gpu_layers else "cuda"
-    return LoadCall(
-        kind="llama_cpp", line=node.lineno, source=shorten(ast.unparse(node), 120),
-        target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved, dtype=None,
+    return LoadRequest(
+        kind="llama_cpp", line=node.lineno, source=ast.unparse(node),
+        variable=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved, dtype=None,
         quantization=None, double_quant=False, device=device, max_memory=None, offload_folder=None,
         gguf_file=gguf_file, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
     )

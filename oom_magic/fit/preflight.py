@@ -8,10 +8,11 @@ never unpickled. The result is a ``Preflight`` record (``records.preflight``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..checkpoints.files import CheckpointKeys, read_checkpoint_keys
 from ..checkpoints.hub import hub_options
@@ -24,12 +25,12 @@ from ..device.host import cuda_process_cap, disk_free, ram_total, usable_ram
 from .lints import load_lints
 from .load_calls import device_text, find_load_calls, scan_cell
 from .offload import check_offload
-from ..records.preflight import FitCheck, Lint, LoadCall, OffloadCheck, Preflight, Verdict
+from ..records.preflight import FitCheck, Lint, LoadRequest, OffloadCheck, Preflight, Verdict
 from ..common.sizes import parse_headroom
 from .targets import Target, parse_target
 
-__all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadCall", "Preflight",
-           "cuda_process_cap", "find_load_calls", "load_target", "parse_headroom", "preflight_check", "read_checkpoint_keys",
+__all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadRequest", "Preflight",
+           "check_requests", "cuda_process_cap", "find_load_calls", "load_target", "parse_headroom", "preflight_check", "read_checkpoint_keys",
            "usable_ram"]
 
 # What a CUDA context costs on the device before PyTorch allocates anything: 300-600 MiB with
@@ -127,7 +128,7 @@ def _transformers_major() -> int:
         return 5
 
 
-def _load_dtype(call: LoadCall, declared: str | None, stored: str | None) -> str | None:
+def _load_dtype(call: LoadRequest, declared: str | None, stored: str | None) -> str | None:
     """The float dtype from_pretrained loads in: dtype=, else "auto" (transformers 5) or fp32 (4.x)."""
     request = call.dtype
     if request is None:
@@ -165,31 +166,52 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
     """
     parse_headroom(headroom, 0)  # a bad spelling fails now, not after reading files
     rehearsed = parse_target(target) if target is not None else None
-    notes: list[str] = []
     try:
         calls, skipped = scan_cell(cell, namespace)
     except OomMagicError as exc:
         return Preflight(device, (), (), (), (str(exc),))
-    notes += skipped
+    notes = list(skipped)
     if not calls:
         notes.append("no from_pretrained / torch.load / load_file call found: nothing to size")
-    budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, rehearsed)
-    # --target: the local fit check always applies too (the cell runs here, whatever the target).
-    here = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml) if rehearsed else None
+    # --target: the cell still runs here, so each load is checked here too (runs_here stays True).
+    requests = tuple(replace(call, target=rehearsed) for call in calls) if rehearsed is not None else calls
+    return check_requests(requests, device=device, free_bytes=free_bytes, total_bytes=total_bytes,
+                          ram_bytes=ram_bytes, disk_bytes=disk_bytes, headroom=headroom, nvml=nvml, notes=notes)
+
+
+def check_requests(requests: tuple[LoadRequest, ...], *, device: str | None = None, free_bytes: int | None = None,
+                   total_bytes: int | None = None, ram_bytes: int | None = None, disk_bytes: int | None = None,
+                   headroom: str | int | None = None, nvml: Any = None, notes: Sequence[str] = ()) -> Preflight:
+    """Size each load request and say whether it fits where it goes (or on its target GPU): the fit check's one pipeline.
+
+    Every front door (a cell's loads, the command's arguments, ``fit_check()``'s parameters) ends
+    here with the same records; ``device`` and the overrides are as in ``preflight_check``.
+    """
+    parse_headroom(headroom, 0)
+    notes = list(notes)
+    budgets: dict[str | None, _Budgets] = {}  # one reading per target (None: this machine)
+
+    def budgets_for(target: Target | None) -> _Budgets:
+        key = None if target is None else target.name
+        if key not in budgets:
+            budgets[key] = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, target)
+        return budgets[key]
+
     checks: list[FitCheck] = []
     lints: list[Lint] = []
-    for call in calls:
-        check, call_lints = _check_call(call, device, budgets)
-        if here is not None and check.target is not None:
-            local, _ = _check_call(call, device, here)
+    for request in requests:
+        check, request_lints = _check_call(request, device, budgets_for(request.target))
+        if request.target is not None and request.runs_here and check.target is not None:
+            local, _ = _check_call(request, device, budgets_for(None))
             check = replace(check, local=local)
         checks.append(check)
-        lints += call_lints
-        if rehearsed is not None and check.target is not None and not check.device.startswith(("cuda", "auto")):
-            notes.append(f"line {call.line} loads to {check.device} here; --target {rehearsed.name} checked it as if "
+        lints += request_lints
+        if request.target is not None and check.target is not None and not check.device.startswith(("cuda", "auto")):
+            where = f"line {request.line}" if request.line is not None else "this load"
+            notes.append(f"{where} loads to {check.device} here; --target {request.target.name} checked it as if "
                          "its weights went to that GPU")
-    target = next((d for d in map(_measured_device, checks) if d is not None), device)
-    return Preflight(target, calls, tuple(checks), tuple(lints), tuple(notes))
+    measured = next((d for d in map(_measured_device, checks) if d is not None), device)
+    return Preflight(measured, tuple(requests), tuple(checks), tuple(lints), tuple(notes))
 
 
 def load_target(cell: str, namespace: Mapping[str, Any] | None = None) -> str | None:
@@ -234,7 +256,7 @@ def _measured_device(check: FitCheck) -> str | None:
     return check.device
 
 
-def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
+def _check_call(call: LoadRequest, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
     """One load's check; for a hub model not in the cache, also whether its download fits the cache's disk."""
     check, lints = _check_load(call, guard_device, budgets)
     hub = getattr(check.estimate, "hub", None)
@@ -245,7 +267,7 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     return check, lints
 
 
-def _check_load(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
+def _check_load(call: LoadRequest, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
     lints: list[Lint] = []
     keys: CheckpointKeys | None = None
     where = _target(call, guard_device)
@@ -261,7 +283,9 @@ def _check_load(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
                                  revision=call.revision)
     except OomMagicError as exc:
         lints = load_lints(call, None, None, None)
-        return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
+        said = str(exc)  # a reader's message that starts with the path already names it
+        named = said.startswith((call.checkpoint, os.path.abspath(call.checkpoint)))
+        return _unknown(call, where, f"cannot size {said}" if named else f"cannot size {call.checkpoint}: {said}"), lints
     if call.kind == "torch.load":
         try:
             keys = read_checkpoint_keys(estimate.files[0]) if len(estimate.files) == 1 else None
@@ -309,7 +333,7 @@ def _check_load(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     return replace(check, verdict="will-not-fit", options=options, offload=offload), lints
 
 
-def _check_gguf(call: LoadCall, where: str | None, budgets: _Budgets) -> FitCheck:
+def _check_gguf(call: LoadRequest, where: str | None, budgets: _Budgets) -> FitCheck:
     """A GGUF load: llama.cpp's GPU share (weights of the offloaded layers and their KV cache at n_ctx), or
     transformers' gguf_file=, which dequantizes every tensor to the load dtype (float32 unless told)."""
     from .llama_cpp import read_gguf, size_llama_cpp
@@ -355,7 +379,7 @@ class _GgufDequantized:
     hub: Any
 
 
-def _ram_peak(call: LoadCall, estimate: Any, dtype: str | None) -> int | None:
+def _ram_peak(call: LoadRequest, estimate: Any, dtype: str | None) -> int | None:
     """RAM a from_pretrained onto the cpu takes at its peak (load_peak), or None when not known."""
     if call.kind != "from_pretrained":
         return None
@@ -365,7 +389,7 @@ def _ram_peak(call: LoadCall, estimate: Any, dtype: str | None) -> int | None:
     return None if peak is None else peak.ram_need
 
 
-def _peak_ratio(call: LoadCall, estimate: Any, dtype: str | None) -> float:
+def _peak_ratio(call: LoadRequest, estimate: Any, dtype: str | None) -> float:
     """RAM at the load's peak per byte of weights kept in RAM (1.0 when no copy is made)."""
     peak = _ram_peak(call, estimate, dtype)
     loaded = estimate.bytes_for(dtype) if dtype in FLOAT_BYTES else estimate.stored_bytes
@@ -390,7 +414,7 @@ def _check_offload_plan(options: tuple[FitOption, ...],
     return tuple(replace(o, fits=False) if o is plan else o for o in options), offload
 
 
-def _target(call: LoadCall, guard_device: str | None) -> str | None:
+def _target(call: LoadRequest, guard_device: str | None) -> str | None:
     if call.moved_to:
         return call.moved_to
     if call.kind == "from_pretrained":
@@ -408,7 +432,7 @@ def _resolve_cuda(device: str) -> str:
     return current if current.startswith("cuda") else "cuda:0"
 
 
-def _need(call: LoadCall, estimate: Any) -> tuple[int, str | None]:
+def _need(call: LoadRequest, estimate: Any) -> tuple[int, str | None]:
     """Bytes the load puts on its target, and the dtype that assumes (None: as stored)."""
     if call.kind != "from_pretrained":
         if call.cast_to in FLOAT_BYTES:
@@ -427,7 +451,7 @@ def _need(call: LoadCall, estimate: Any) -> tuple[int, str | None]:
     return estimate.stored_bytes, None
 
 
-def _unknown(call: LoadCall, where: str | None, reason: str, estimate: Any = None, need: int | None = None,
+def _unknown(call: LoadRequest, where: str | None, reason: str, estimate: Any = None, need: int | None = None,
              dtype: str | None = None) -> FitCheck:
     return FitCheck(call=call, device=where or "unknown", verdict="unknown", reason=reason, need=need, dtype=dtype,
                     free=None, context=0, headroom=0,
@@ -437,7 +461,7 @@ def _unknown(call: LoadCall, where: str | None, reason: str, estimate: Any = Non
                     files=len(estimate.files) if estimate is not None else 0, estimate=estimate)
 
 
-def _check_auto(call: LoadCall, estimate: Any, need: int, dtype: str | None, budgets: _Budgets,
+def _check_auto(call: LoadRequest, estimate: Any, need: int, dtype: str | None, budgets: _Budgets,
                 guard_device: str | None) -> FitCheck:
     """device_map="auto": the first GPU (if any), then RAM, then (with offload_folder) disk."""
     limits = dict(call.max_memory or ())

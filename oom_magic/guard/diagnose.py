@@ -35,6 +35,8 @@ __all__ = ["Cause", "Diagnosis", "FitOption", "RetryVerdict", "diagnose", "fit_o
 CAUSE_ORDER = ("other-processes", "stale", "variables", "fragmentation", "too-big", "partial-load")
 # A cause that explains less than this share of the shortfall is left out of the ranking.
 _MIN_SCORE = 0.05
+# A CUDA context (with cuBLAS/cuDNN handles and eager module loading) stays under this on current GPUs.
+_CONTEXT_AT_MOST = 2 * 1024**3
 
 
 def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
@@ -111,6 +113,12 @@ def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
         notes.append("the error text is not one of PyTorch's out-of-memory messages: figures come from readings only")
     if free_limit is not None:
         notes.append(f"free memory here is limited by {free_limit}, not by the machine's RAM")
+    # from the message alone (an NVML reading already says who each pid is)
+    seen = at_failure or now or before
+    listed = seen.processes if seen is not None else ()
+    own_note = _self_note(message, self_pid) if where != "cpu" and not listed else None
+    if own_note is not None:
+        notes.append(own_note)
     retry = _retry_verdict(requested, need, given_back, free_now, headroom)
     return Diagnosis(where, message, requested, free, total, shortfall, tuple(causes), retry, tuple(notes))
 
@@ -158,6 +166,8 @@ def _other_processes(message: OOMMessage | None, reading: DeviceReading | None, 
     pairs: list[tuple[int, int]] = []
     if message is not None and message.processes:
         own = {self_pid, reading.own_listed_pid if reading is not None else None, _own_pid_in_message(message, self_pid)}
+        if not infos:  # the message alone: no NVML reading says who its pids are
+            own.add(_self_by_reserved(message, self_pid))
         pairs = [(pid, used) for pid, used in message.processes if pid not in own]
     else:
         pairs = [(p.pid, p.used_bytes) for p in infos.values() if not p.is_self and p.used_bytes is not None]
@@ -181,13 +191,40 @@ def _own_pid_in_message(message: OOMMessage, self_pid: int) -> int | None:
     PyTorch prints "this process has M memory in use" beside NVML's list: the one listed pid that
     is not in our pid namespace and holds M (to its two-decimal rounding) is this process.
     """
+    from ..device.processes import recognise_self
+
     held = message.this_process
     if held is None:
         return None
     slack = max(held // 100, 16 << 20)  # "20.50 GiB" is exact to ±5 MiB; allow rounding both sides
+    return recognise_self(message.processes, held - slack, held + slack, self_pid=self_pid)
+
+
+def _self_by_reserved(message: OOMMessage, self_pid: int) -> int | None:
+    """With no "this process" line (a container: PyTorch did not see its own pid in NVML's list), the one
+    listed pid outside our pid namespace that holds PyTorch's reserved memory plus a CUDA context is us."""
+    reserved = message.reserved_total
+    if reserved is None or not message.processes:
+        return None
     from ..device.processes import recognise_self
 
-    return recognise_self(message.processes, held - slack, held + slack, self_pid=self_pid)
+    slack = 16 << 20  # each figure is printed to two decimals: ±5 MiB at GiB scale, three figures
+    return recognise_self(message.processes, reserved - slack, reserved + _CONTEXT_AT_MOST + slack, self_pid=self_pid)
+
+
+def _self_note(message: OOMMessage | None, self_pid: int) -> str | None:
+    """Say when the message lists this kernel under its host pid (as the NVML path does)."""
+    if message is None or message.this_process is not None:
+        return None
+    pid = _self_by_reserved(message, self_pid)
+    if pid is None or pid == self_pid:
+        return None
+    from ..device.processes import NOTE_SELF_HOST_PID
+    from ..render.units import format_bytes
+
+    used = dict(message.processes)[pid]
+    return (f"process {pid} in the message is {NOTE_SELF_HOST_PID}: its {format_bytes(used)} are PyTorch's "
+            f"{format_bytes(message.reserved_total)} reserved plus the CUDA context, not another process")
 
 
 def _bare_process(pid: int, used: int) -> ProcessInfo:

@@ -1,4 +1,4 @@
-"""The fit check's records: the loads found in a cell, each load's fit verdict (with its offload check), the lints, the whole preflight.
+"""The fit check's records: each load request's fit verdict (with its offload check), the lints, the whole preflight.
 
 Frozen dataclasses with int bytes (None where unknown). They are drawn by ``render.fit``, which
 registers their text and HTML with ``shown.renders``.
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .request import LoadKind, LoadRequest
 from .shown import Shown
 
 if TYPE_CHECKING:
@@ -16,43 +17,13 @@ if TYPE_CHECKING:
     from .diagnosis import FitOption
     from .target import Target
 
-__all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "OffloadCheck", "Preflight", "Severity", "Verdict"]
+__all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "LoadRequest", "OffloadCheck", "Preflight", "Severity", "Verdict"]
 
-LoadKind = Literal["from_pretrained", "torch.load", "load_file", "llama_cpp"]
+# The load-request record under its former name (kept for callers of the public API).
+LoadCall = LoadRequest
 Verdict = Literal["fits", "will-not-fit", "unknown"]
 LintCode = Literal["map-location", "weights-only", "safetensors-sibling", "training-checkpoint", "fp32-of-half"]
 Severity = Literal["warning", "info"]
-
-
-@dataclass(frozen=True)
-class LoadCall:
-    """One model or checkpoint load found in the cell, with its arguments as far as they resolve."""
-
-    kind: LoadKind
-    line: int
-    source: str  # the call as written, shortened to one line
-    target: str | None  # the variable the result is assigned to
-    checkpoint: str | None  # path or hub id, resolved; None when it cannot be known before running
-    unresolved: str | None  # why the checkpoint is unknown
-    dtype: str | None  # requested load dtype ('bfloat16', 'float32', 'auto'); None = not given
-    quantization: str | None  # 'int8' | 'nf4' | 'fp4' | another config's name
-    double_quant: bool
-    device: str | None  # where the weights land: 'cuda:0', 'cuda', 'cpu', 'mps', 'auto', 'mixed'; None = default
-    max_memory: tuple[tuple[int | str, int], ...] | None
-    offload_folder: str | None
-    map_location_given: bool = False
-    weights_only: bool | None = None  # None: not given; False: explicitly off
-    mmap: bool = False
-    moved_to: str | None = None  # .to(device) / .cuda() applied to the result
-    cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
-    notes: tuple[str, ...] = ()
-    skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
-    revision: str | None = None  # from_pretrained's revision= (a hub branch, tag or commit)
-    gguf_file: str | None = None  # a GGUF file in the repo: transformers' gguf_file=, Llama.from_pretrained's filename
-    n_gpu_layers: int | None = None  # llama_cpp.Llama's n_gpu_layers= (None: not given, llama-cpp-python's 0)
-    n_ctx: int | None = None  # llama_cpp.Llama's n_ctx= (None: not given, llama-cpp-python's 512)
-    # from_pretrained's token= (a hub token) for reading an uncached model's headers; never shown
-    token: str | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -80,7 +51,7 @@ class OffloadCheck:
 class FitCheck:
     """Will one load fit where it is going: need against the free memory there, with headroom."""
 
-    call: LoadCall
+    call: LoadRequest  # what was asked for
     device: str  # where it must fit ('cuda:0', 'cpu'; 'auto' spreads over device + RAM)
     verdict: Verdict
     reason: str | None  # why 'unknown', in words
@@ -131,7 +102,7 @@ class Lint(Shown):
     """One problem in a load call, one line, with the fix. ``{name}`` in the message is a size."""
 
     code: LintCode
-    line: int
+    line: int | None  # the cell line; None for a checkpoint named outside a cell
     message: str
     fix: str
     severity: Severity = "warning"
@@ -143,7 +114,7 @@ class Preflight(Shown):
     """What the cell will load, whether it fits, and what in the calls should change."""
 
     device: str | None  # the device the guard measures; None when no load targets one
-    calls: tuple[LoadCall, ...]
+    calls: tuple[LoadRequest, ...]
     checks: tuple[FitCheck, ...]
     lints: tuple[Lint, ...]
     notes: tuple[str, ...] = ()

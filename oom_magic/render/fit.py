@@ -10,7 +10,7 @@ from ..records.hub import HubRead
 from ..records.llama_cpp import LlamaCppLoad
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import download_short_text, hub_read_text, lint_text, option_code, preflight_html, preflight_text, target_label
+from .guard import download_short_text, hub_read_text, lint_message, lint_text, option_code, preflight_html, preflight_text, target_label
 from .json import record_dict
 from .units import format_bytes
 
@@ -22,19 +22,28 @@ def verdict_line(preflight: Preflight) -> str:
         return f"not checked: {reason}"
     if preflight.fits:
         check = preflight.checks[0]
-        return f"fits on {_where(check)}: {format_bytes(check.need)} needed, {format_bytes(check.margin)} to spare"
+        return (f"fits on {_where(check)}{_sized_from(check)}: {format_bytes(check.need)} needed, "
+                f"{format_bytes(check.margin)} to spare")
     check = preflight.will_not_fit[0]
     if check.verdict != "will-not-fit" and check.download_short and (
             check.local is None or check.local.verdict != "will-not-fit"):
         return f"WILL NOT FIT on disk: {download_short_text(check)}"
     first = next((o for o in check.options if o.fits), None)
     hint = f"; fits with {option_code(first)}" if first is not None else ""
-    return (f"WILL NOT FIT on {_where(check)}: {format_bytes(check.need)} needed, "
+    return (f"WILL NOT FIT on {_where(check)}{_sized_from(check)}: {format_bytes(check.need)} needed, "
             f"{format_bytes(-(check.margin or 0))} short{hint}")
 
 
+def _sized_from(check: FitCheck) -> str:
+    """A verdict from config.json alone says so: the folder holds no weights (a failed download looks the same)."""
+    return " (no weights found: sized from config.json)" if check.format == "config-only" else ""
+
+
 def fit_text(preflight: Preflight) -> str:
-    """The preflight as %%guardload prints it, then the verdict line."""
+    """The preflight as %%guardload prints it, then the verdict line (left out when nothing was checked:
+    the reason is already in the preflight, and the command's error line follows)."""
+    if preflight.fits is None and preflight.checks:
+        return preflight_text(preflight)
     return f"{preflight_text(preflight)}\n{verdict_line(preflight)}"
 
 
@@ -47,13 +56,15 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
     checks = []
     for check in preflight.checks:
         checks.append({
-            "line": check.call.line, "source": check.call.source, "checkpoint": check.call.checkpoint,
+            "line": check.call.line, "source": check.call.source, "loader": check.call.kind,
+            "checkpoint": check.call.checkpoint,
             "device": check.device, "verdict": check.verdict, "reason": check.reason,
             "need": check.need, "dtype": check.dtype, "free": check.free, "context": check.context,
             "headroom": check.headroom, "budget": check.budget, "margin": check.margin,
             "parameters": check.parameters, "format": check.format, "files": check.files,
             "split": [list(s) for s in check.split],
-            "target": record_dict(check.target) if check.target is not None else None,
+            # the request's target too: a load that could not be sized was still asked about that GPU
+            "target": record_dict(target) if (target := check.target or check.call.target) is not None else None,
             "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],
             "download_short": check.download_short,
             "hub": record_dict(check.estimate.hub) if getattr(check.estimate, "hub", None) is not None else None,
@@ -61,9 +72,10 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
     return {
         "fits": preflight.fits,
         "verdict": "unknown" if preflight.fits is None else "fits" if preflight.fits else "will-not-fit",
-        "summary": verdict_line(preflight),
+        # unsized: the reason is the check's own, said once there
+        "summary": verdict_line(preflight) if preflight.fits is not None or not preflight.checks else "not checked",
         "checks": checks,
-        "lints": [dict(record_dict(x), text=lint_text(x)) for x in preflight.lints],
+        "lints": [dict(record_dict(x), message=lint_message(x), text=lint_text(x)) for x in preflight.lints],
         "notes": list(preflight.notes),
     }
 

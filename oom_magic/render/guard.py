@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from ..common.sizes import shorten
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
 from ..records.hub import HubRead
@@ -30,11 +31,17 @@ __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagn
            "size_literal", "target_label", "target_place", "worded_for"]
 
 
+def lint_message(lint: Lint) -> str:
+    """The lint's problem with its sizes filled in."""
+    return lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
+
+
 def lint_text(lint: Lint) -> str:
     """One line: the problem with its sizes, then the fix."""
-    message = lint.message.format(**{name: format_bytes(b) for name, b in lint.sizes}) if lint.sizes else lint.message
+    message = lint_message(lint)
     tag = "note" if lint.severity == "info" else "lint"
-    return one_line(f"{tag} (line {lint.line}): {message} → {lint.fix}")
+    where = f" (line {lint.line})" if lint.line is not None else ""
+    return one_line(f"{tag}{where}: {message} → {lint.fix}")
 
 
 def cleanup_line(report: FreeReport) -> str:
@@ -82,14 +89,23 @@ def hub_read_text(hub: HubRead) -> str:
 
 def _check_lines(check: FitCheck) -> list[str]:
     call = check.call
-    where = f" → {call.target}" if call.target else ""
-    lines = [f"preflight (line {call.line}){where}: {call.source}"]
-    if check.parameters is not None:
+    lines: list[str] = []
+    if call.line is not None:  # a load written in a cell: the line as the user wrote it
+        where = f" → {call.variable}" if call.variable else ""
+        lines.append(f"preflight (line {call.line}){where}: {shorten(call.source or '', 120)}")
+    indent = "  " if lines else ""  # a checkpoint named to the command heads its own report
+    if check.parameters is not None and check.format == "config-only":  # no weights: say what was sized instead
+        lines.append(f"{indent}checkpoint {call.checkpoint}: no weight files found; sized from config.json (the model "
+                     f"it describes): {check.parameters:,} parameters, {format_bytes(check.need)} as "
+                     f"{check.dtype or 'float32'}")
+    elif check.parameters is not None:
         as_what = f"as {check.dtype}" if check.dtype else "as stored"
         if isinstance(check.estimate, LlamaCppLoad):
             as_what = "on the GPU" if check.estimate.n_gpu_layers else "in RAM, with its KV cache"
-        lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
+        lines.append(f"{indent}checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
                      f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
+    elif not lines:
+        lines.append(f"checkpoint {call.checkpoint}")
     hub = getattr(check.estimate, "hub", None)
     if isinstance(hub, HubRead):
         lines.append(f"  {hub_read_text(hub)}")

@@ -37,6 +37,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     model.save_pretrained(base / "sharded", max_shard_size="100KB")
     torch.save(model.state_dict(), base / "weights.bin")
     torch.save({"w": torch.zeros(128, 64, dtype=torch.float16)}, base / "small.pt")
+    (base / "config_only").mkdir()  # what a download that failed after config.json leaves
+    shutil.copy(base / "single" / "config.json", base / "config_only" / "config.json")
+    shutil.copytree(base / "sharded", base / "incomplete")
+    shards = sorted((base / "incomplete").glob("model-*.safetensors"))
+    shards[1].unlink()  # the index still names it
+    (base / "training").mkdir()  # a real training checkpoint: Adam's state beside the weights
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, base / "training" / "ckpt.pt")
+    adam_bytes = sum(t.nbytes for state in optimizer.state.values() for t in state.values())
     home = base / "hf_home"
     repo = home / "hub" / "models--tiny-org--tiny-llama"
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -44,7 +55,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(commit)
     params = sum(p.numel() for p in model.parameters())
-    return {"base": base, "params": params, "home": home, "commit": commit}
+    model.to(torch.bfloat16).save_pretrained(base / "half")  # config.json declares bfloat16 (last: casts in place)
+    return {"base": base, "params": params, "home": home, "commit": commit, "adam_bytes": adam_bytes}
 
 
 def run_fit(*args: str, hf_home: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -61,7 +73,10 @@ def test_a_folder_that_fits_exits_0_with_the_guard_text(models):
     done = run_fit(str(models["base"] / "single"), "--device", "cpu", "--headroom", "0")
     assert done.returncode == 0, done.stderr
     assert f"{models['params']:,} parameters" in done.stdout
-    assert "preflight (line 1) → model: AutoModelForCausalLM.from_pretrained(" in done.stdout
+    # the report speaks of the checkpoint named, not of a line of code the user never wrote
+    first = done.stdout.splitlines()[0]
+    assert first.startswith(f"checkpoint {models['base'] / 'single'} (safetensors, 1 file): "), first
+    assert "preflight" not in done.stdout and "from_pretrained" not in done.stdout
     assert done.stdout.strip().splitlines()[-1].startswith("fits on cpu: ")
     assert done.stderr == ""
 
@@ -72,6 +87,12 @@ def test_will_not_fit_on_a_target_exits_1_with_options_that_fit(models):
     assert done.returncode == 1, done.stderr
     assert "→ WILL NOT FIT" in done.stdout and "ways to fit on a T4" in done.stdout
     assert done.stdout.strip().splitlines()[-1].startswith("WILL NOT FIT on a T4: ")
+    # --target alone: the load runs on the T4, so this machine is not checked (nor said to lack a GPU)
+    assert "and here" not in done.stdout and "this machine has no" not in done.stdout
+    record = oom_magic.fit_check(str(models["base"] / "single"), target="T4", headroom="15GiB")
+    assert record.checks[0].local is None and record.checks[0].call.runs_here is False
+    both = oom_magic.fit_check(str(models["base"] / "single"), device="cuda", target="T4", headroom="15GiB")
+    assert both.checks[0].local is not None  # a device given as well: checked here too
 
 
 def test_json_holds_the_same_figures_as_fit_check(models):
@@ -112,7 +133,7 @@ def test_sharded_index_and_its_folder(models):
 def test_bin_and_pt_files(models):
     data = json.loads(run_fit(str(models["base"] / "weights.bin"), "--device", "cpu", "--headroom", "0", "--json").stdout)
     assert data["checks"][0]["parameters"] == models["params"] and data["fits"] is True
-    assert data["checks"][0]["source"].startswith("torch.load(")
+    assert data["checks"][0]["loader"] == "torch.load" and data["checks"][0]["source"] is None  # no code generated
     done = run_fit(str(models["base"] / "small.pt"), "--device", "cpu", "--headroom", "0", "--dtype", "float32")
     assert done.returncode == 0, done.stderr
     assert "32.00 KiB as float32" in done.stdout  # 8192 fp16 values (16 KiB) cast to fp32
@@ -185,3 +206,76 @@ def test_fit_check_from_python_is_the_guard_record(models):
         oom_magic.fit_check(cell, dtype="bfloat16")
     with pytest.raises(OomMagicError, match="no such file or folder"):
         oom_magic.fit_check("/no/such/model")
+
+
+def test_a_config_only_folder_says_no_weights_were_found(models):
+    done = run_fit(str(models["base"] / "config_only"), "--device", "cpu", "--headroom", "0")
+    assert done.returncode == 0, done.stderr  # sized from the config: a plan before a download is a real use
+    first, *_, verdict = done.stdout.strip().splitlines()
+    assert first == (f"checkpoint {models['base'] / 'config_only'}: no weight files found; sized from config.json "
+                     f"(the model it describes): {models['params']:,} parameters, 417.25 KiB as float32")
+    assert verdict.startswith("fits on cpu (no weights found: sized from config.json): 417.25 KiB needed")
+    assert 4 * models["params"] == 417.25 * 1024  # the figure printed is the real fp32 size of the model
+
+
+def test_a_shard_index_naming_missing_shards_is_an_incomplete_download(models):
+    done = run_fit(str(models["base"] / "incomplete"), "--device", "cpu")
+    assert done.returncode == 2 and "fits" not in done.stdout
+    assert done.stdout.count("the download is incomplete") == 1  # the reason said once
+    assert "not checked:" in done.stdout and "cannot size" in done.stdout
+    assert done.stderr.strip().splitlines() == [
+        "oom-magic fit: nothing was checked; download the checkpoint again (its shard index names files that are "
+        "not there)"]
+    data = run_fit(str(models["base"] / "incomplete"), "--device", "cpu", "--json")
+    assert data.returncode == 2 and data.stderr == ""
+    parsed = json.loads(data.stdout)
+    assert parsed["verdict"] == "unknown" and "the download is incomplete" in parsed["checks"][0]["reason"]
+    assert data.stdout.count("the download is incomplete") == 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["/no/such/model"], "no such file or folder: /no/such/model; pass a checkpoint folder"),
+    (["{single}", "--target", "X9"], "unknown target 'X9'"),
+    (["{single}", "--device", "cpu", "--target", "T4"], "not allowed with argument"),
+    ([], "the following arguments are required: CHECKPOINT"),
+])
+def test_json_errors_are_json(models, args, says):
+    args = [a.format(single=models["base"] / "single") for a in args]
+    done = run_fit(*args, "--json")
+    assert done.returncode == 2 and done.stderr == ""
+    data = json.loads(done.stdout)
+    assert data["verdict"] == "error" and says in data["error"] and list(data) == ["verdict", "error"]
+
+
+def test_json_target_source_and_lint_figures(models):
+    unsized = json.loads(run_fit(str(models["base"] / "incomplete"), "--target", "T4", "--json").stdout)
+    assert unsized["checks"][0]["target"]["name"] == "T4"  # asked about a T4, even though nothing was sized
+    ckpt = models["base"] / "training" / "ckpt.pt"
+    data = json.loads(run_fit(str(ckpt), "--device", "cpu", "--json").stdout)
+    lint = next(x for x in data["lints"] if x["code"] == "training-checkpoint")
+    optimizer, total = dict(lint["sizes"])["optimizer"], dict(lint["sizes"])["total"]
+    # Adam's exp_avg and exp_avg_sq (fp32) and a step per parameter, as torch holds them, to the byte
+    assert optimizer == models["adam_bytes"] > 2 * 4 * models["params"]
+    assert "{" not in lint["message"] and "of its" in lint["message"]
+    from oom_magic.render.units import format_bytes
+
+    assert f"{format_bytes(optimizer)} of its {format_bytes(total)}" in lint["message"]
+    assert lint["line"] is None and lint["text"].startswith("lint: ")
+    # a cell's call comes back whole, however long
+    cell = ("model = AutoModelForCausalLM.from_pretrained(p, device_map='cpu', low_cpu_mem_usage=True, "
+            "attn_implementation='eager', trust_remote_code=False, revision='main', use_safetensors=True)")
+    from oom_magic.render.fit import fit_dict
+
+    source = fit_dict(oom_magic.fit_check(cell, namespace={"p": str(models["base"] / "single")}))["checks"][0]["source"]
+    assert len(cell.split(" = ", 1)[1]) > 120 and source == cell.split(" = ", 1)[1] and "…" not in source
+
+
+def test_a_lint_on_a_named_checkpoint_names_the_flag_not_code(models):
+    record = oom_magic.fit_check(str(models["base"] / "half"), device="cpu", dtype="float32")
+    lint = record.lint("fp32-of-half")
+    assert lint is not None and lint.line is None
+    assert lint.fix == 'pass --dtype bfloat16 (dtype="bfloat16" in fit_check())'
+    assert dict(lint.sizes) == {"fp32": 4 * models["params"], "half": 2 * models["params"]}
+    cell = "m = AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)"
+    written = oom_magic.fit_check(cell, namespace={"p": str(models["base"] / "half")}).lint("fp32-of-half")
+    assert written is not None and written.fix.startswith("pass dtype=torch.bfloat16") and written.line == 1

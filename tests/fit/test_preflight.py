@@ -89,7 +89,7 @@ def test_from_pretrained_arguments_resolve_from_the_user_namespace(models):
     (call,) = find_load_calls(cell, ns)  # the tokenizer is not a weight load
     assert call.kind == "from_pretrained"
     assert call.line == 3
-    assert call.target == "model"
+    assert call.variable == "model"
     assert call.checkpoint == str(models["fp32"])
     assert call.dtype == "bfloat16"
     assert call.device == "cuda"
@@ -502,3 +502,40 @@ def test_long_option_rows_wrap_between_arguments_not_mid_word(ip, tmp_path):
             'bnb_4bit_use_double_quant=True') in joined  # the code reads whole again, each break at a space
     assert any(line.startswith("    4-bit nf4") and line.rstrip().endswith(("fits", "too big", "unknown"))
                for line in rows)
+
+
+def test_the_preflight_never_calls_a_user_objects_fspath(ip):
+    """A check that promises to run no user code reads a path only from an exact str or pathlib path."""
+    from pathlib import PurePosixPath
+
+    calls: list[str] = []
+
+    class TrackedPath:  # os.PathLike by protocol: __fspath__ is the user's code
+        def __fspath__(self) -> str:
+            calls.append("TrackedPath.__fspath__")
+            return "/models/tracked"
+
+    class MyPath(PurePosixPath):  # a pathlib subclass is user code too
+        def __fspath__(self) -> str:
+            calls.append("MyPath.__fspath__")
+            return "/models/mine"
+
+        def __str__(self) -> str:
+            calls.append("MyPath.__str__")
+            return "/models/mine"
+
+    ip.user_ns.update(p=TrackedPath(), q=MyPath("/models/q"))
+    report = ip.run_cell_magic("guardload", "--device cpu", "y = p\nz = q")
+    assert calls == []  # neither the preflight nor the guard read them
+    assert ip.user_ns["y"] is ip.user_ns["p"] and report.preflight.calls == ()
+    cell = ("from transformers import AutoModelForCausalLM\n"
+            "a = AutoModelForCausalLM.from_pretrained(p)\n"
+            "b = AutoModelForCausalLM.from_pretrained(q)\n")
+    a, b = find_load_calls(cell, ip.user_ns)
+    assert calls == []
+    assert a.checkpoint is None and "is a TrackedPath object, not a path or hub id" in a.unresolved
+    assert b.checkpoint is None and "is a MyPath object, not a path or hub id" in b.unresolved
+    from pathlib import Path
+
+    exact = find_load_calls(cell.replace("(q)", "(r)"), {"p": "/models/s", "r": Path("/models/r")})
+    assert [c.checkpoint for c in exact] == ["/models/s", "/models/r"]  # exact str and Path still read

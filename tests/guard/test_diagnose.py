@@ -216,3 +216,44 @@ def test_other_kernels_are_named_with_their_notebook_and_how_to_stop_them():
     text = diagnosis_text(d)
     assert "pid 4242 python, user me, Jupyter kernel of experiments/llama.ipynb: 9.00 GiB" in text
     assert "Shut Down Kernel in experiments/llama.ipynb" in text
+
+
+# PyTorch 2.1+ wording as printed inside a container: NVML lists this kernel under its host pid, so
+# PyTorch, not finding os.getpid() in the list, prints no "this process has" line. Figures invented.
+CONTAINER_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+    "79.19 GiB of which 1.06 GiB is free. Process 3141592 has 78.12 GiB memory in use. Of the allocated memory "
+    "77.05 GiB is allocated by PyTorch, and 512.00 MiB is reserved by PyTorch but unallocated. If reserved but "
+    "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid "
+    "fragmentation.  See documentation for Memory Management  "
+    "(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+
+
+def test_a_container_message_lists_this_kernel_under_its_host_pid():
+    from oom_magic.device.processes import NOTE_SELF_HOST_PID
+
+    assert not Path("/proc/3141592").exists()  # not a pid of this namespace, as a host pid in a container
+    message = parse_oom_message(CONTAINER_OOM)
+    assert message.this_process is None and message.processes == ((3141592, round(78.12 * GiB)),)
+    d = diagnose(CONTAINER_OOM)
+    # 78.12 GiB = PyTorch's 77.55 GiB reserved + a 0.57 GiB context: this kernel, not another process
+    assert all(c.kind != "other-processes" for c in d.causes)
+    note = next(n for n in d.notes if NOTE_SELF_HOST_PID in n)
+    assert note.startswith("process 3141592 in the message is this kernel")
+    assert f"its {format_bytes(round(78.12 * GiB))} are PyTorch's {format_bytes(message.reserved_total)} reserved" in note
+    assert "other processes hold" not in diagnosis_text(d)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (("78.12 GiB memory in use", "79.00 GiB memory in use"), "2.45 GiB above PyTorch's reserved: more than a context"),
+    (("78.12 GiB memory in use", "60.00 GiB memory in use"), "less than PyTorch's own reserved: not this process"),
+    (("Process 3141592", "Process 1"), "pid 1 exists in this namespace: a process here, not a host pid"),
+])
+def test_a_listed_process_that_is_not_this_kernel_still_ranks(edit, why):
+    text = CONTAINER_OOM.replace(*edit)
+    if "79.00" in text:
+        text = text.replace("77.05 GiB is allocated", "76.05 GiB is allocated")  # reserved 76.55: 2.45 GiB below
+    d = diagnose(text)
+    assert d.top is not None and d.top.kind == "other-processes", why
+    assert not any("this kernel" in n for n in d.notes), why
