@@ -124,7 +124,9 @@ if lora_r:
     except ImportError:
         print(json.dumps({"unadaptable": "peft is not installed: pip install peft"})); sys.exit(0)
     try:
-        lora = peft.LoraConfig(r=lora_r, target_modules=targets or None,
+        # "all-linear" is peft's own keyword, given as a string, not as a module name in a list
+        wanted = targets[0] if targets == ["all-linear"] else (targets or None)
+        lora = peft.LoraConfig(r=lora_r, target_modules=wanted,
                                task_type="SEQ_2_SEQ_LM" if encoder_decoder else "CAUSAL_LM")
         with torch.device("meta"):
             wrapped = peft.get_peft_model(model, lora)
