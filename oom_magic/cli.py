@@ -9,10 +9,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 from collections.abc import Sequence
 
 from .fit.check import DTYPES, QUANTIZATIONS
+from .records.job import TRAIN_KINDS
+
+if TYPE_CHECKING:
+    from .records.preflight import Preflight
 
 FITS, WILL_NOT_FIT, BAD_INPUT = 0, 1, 2
 _MISSING_FIX = ("; pass a checkpoint folder, a .safetensors/.bin/.pt file or shard index, or a hub id already "
@@ -53,6 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Memory to keep free: a size such as 2GiB or a percentage of the device such as 5%% "
                           "(default 5%%).")
     fit.add_argument("--json", action="store_true", help="Print the check as JSON (int bytes) instead of text.")
+    job = fit.add_argument_group("the job (needs --target; a count such as 2xA10G splits it over that many)")
+    job.add_argument("--context", type=int, default=None, metavar="N",
+                     help="Size the job, not just the load: tokens the KV cache holds (prompt + generated).")
+    job.add_argument("--prompt", type=int, default=None, metavar="N",
+                     help="Tokens of the prompt's forward (default: the whole context, the worst case).")
+    job.add_argument("--batch", type=int, default=1, metavar="B", help="Sequences at once (default 1).")
+    job.add_argument("--train", default=None, choices=TRAIN_KINDS,
+                     help="A fine-tune instead of inference: the optimizer (adamw, sgd, adamw8bit) or LoRA/QLoRA.")
+    job.add_argument("--lora-r", type=int, default=16, metavar="R", help="The LoRA rank (default 16).")
     return parser
 
 
@@ -62,9 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .common.errors import OomMagicError
     from .fit.check import fit_check
 
+    if args.context is not None or args.train is not None:
+        return _job(args)
     try:
-        preflight = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
-                              quantization=args.quantization, headroom=args.headroom)
+        checked = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
+                            quantization=args.quantization, headroom=args.headroom)
+        preflight = cast("Preflight", checked)  # no job given: the load's check
     except OomMagicError as exc:
         fix = _MISSING_FIX if str(exc).startswith(("no such file", "cannot find checkpoint")) else ""
         print(f"oom-magic fit: {exc}{fix}", file=sys.stderr)
@@ -82,6 +98,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"oom-magic fit: {verdict_line(preflight)}{fix}", file=sys.stderr)
         return BAD_INPUT
     return FITS if preflight.fits else WILL_NOT_FIT
+
+
+def _job(args: argparse.Namespace) -> int:
+    """``--context`` / ``--train``: size the job and check it against the target GPUs."""
+    from .common.errors import OomMagicError
+    from .fit.job_fit import job_fit
+    from .records.job import Job
+    from .render.job import job_fit_dict, job_fit_text
+
+    try:
+        if args.target is None:
+            raise OomMagicError("sizing a job needs --target GPU (T4, A10G, 2xA10G, 24GiB, ...)")
+        if args.quantization is not None:
+            raise OomMagicError("--quantization is not sized with a job yet; use --train qlora for a 4-bit base")
+        job = Job(context=1 if args.context is None else args.context, batch=args.batch, prompt=args.prompt, train=args.train,
+                  lora_r=args.lora_r)
+        fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype)
+    except OomMagicError as exc:
+        print(f"oom-magic fit: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    print(json.dumps(job_fit_dict(fit), indent=2) if args.json else job_fit_text(fit), flush=True)
+    return FITS if fit.fits else WILL_NOT_FIT
 
 
 if __name__ == "__main__":  # pragma: no cover - python -m oom_magic.cli

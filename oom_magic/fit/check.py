@@ -13,6 +13,8 @@ from typing import Any
 from collections.abc import Mapping
 
 from ..common.errors import OomMagicError
+from ..records.job import Job, JobFit
+from .job_fit import job_fit
 from .preflight import Preflight, preflight_check
 
 __all__ = ["QUANTIZATIONS", "DTYPES", "fit_check", "load_source"]
@@ -88,7 +90,8 @@ def load_source(path: str | os.PathLike[str], *, device: str, dtype: str | None 
 
 def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | None = None, target: Any = None,
               dtype: str | None = None, quantization: str | None = None, headroom: str | int | None = None,
-              namespace: Mapping[str, Any] | None = None) -> Preflight:
+              namespace: Mapping[str, Any] | None = None, context: int | None = None, batch: int = 1,
+              prompt: int | None = None, train: str | None = None, lora_r: int = 16) -> Preflight | JobFit:
     """Check whether a checkpoint, or the loads in some code, fit a device or a target GPU; runs nothing.
 
     ``path_or_cell_or_call`` is a checkpoint (file, folder, shard index or cached hub id ``org/name``)
@@ -99,7 +102,16 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
     ``quantization`` ("int8", "nf4", "fp4") say how a checkpoint path is loaded. Returns the
     ``Preflight`` record ``%%guardload`` prints (``.fits``: True, False, or None when nothing could
     be sized); raises ``OomMagicError`` with the fix for a missing path, unknown target or dtype.
+
+    ``context`` / ``train`` ("adamw", "sgd", "adamw8bit", "lora", "qlora") size the job instead of the
+    load alone, against ``target`` ("A10G", "2xA10G"), and return a ``JobFit`` (see fit.job_fit).
     """
+    if context is not None or train is not None:
+        if target is None:
+            raise OomMagicError("sizing a job needs target= (a GPU such as 'A10G', '2xA10G' or '24GiB')")
+        job = Job(context=1 if context is None else context, batch=batch, prompt=prompt,
+                  train=train, lora_r=lora_r)  # type: ignore[arg-type]  # check_job names a bad kind
+        return job_fit(path_or_cell_or_call, job, str(target), dtype=dtype)
     if target is not None and device not in (None, "cuda", "auto") and not str(device).startswith("cuda"):
         raise OomMagicError(f"target {target!r} is a GPU: leave out device (or use cuda or auto), not {device!r}")
     if _is_code(path_or_cell_or_call):

@@ -9,7 +9,7 @@ from typing import Literal
 
 from .shown import Shown
 
-__all__ = ["TRAIN_KINDS", "Job", "JobParts", "TrainKind"]
+__all__ = ["TRAIN_KINDS", "Job", "JobFit", "JobParts", "TrainKind"]
 
 TrainKind = Literal["adamw", "sgd", "adamw8bit", "lora", "qlora"]
 TRAIN_KINDS: tuple[TrainKind, ...] = ("adamw", "sgd", "adamw8bit", "lora", "qlora")
@@ -50,3 +50,23 @@ class JobParts(Shown):
         """Every part added up (activations counted as 0 where unknown)."""
         return (self.weights + self.kv_cache + (self.activations or 0) + self.gradients + self.optimizer
                 + self.adapters)
+
+
+@dataclass(frozen=True)
+class JobFit(Shown):
+    """Whether a job fits the GPUs it is checked against, and how far it could go there."""
+
+    checkpoint: str
+    job: Job
+    parts: JobParts
+    target: str                  # the GPU as named ("A10G"); several: job.gpus of them
+    usable: int                  # what PyTorch can hold on one of them
+    fits: bool
+    largest_context: int | None  # at job.batch; None: not bounded by the cache (a fixed state) or training
+    largest_batch: int | None    # at job.context; None where not sized (training: activations unknown)
+    gpus_needed: int | None      # of the target GPU, when more than job.gpus; None when it fits or > 64
+
+    @property
+    def needed(self) -> int:
+        """The bytes the busiest device needs."""
+        return max(self.parts.per_device) if self.parts.per_device else self.parts.total

@@ -88,19 +88,23 @@ def run(tokens, past=None, encoder_tokens=0):
             out = model(input_ids=ids, past_key_values=past, use_cache=True)
     return out.past_key_values
 
-try:
+def held(prompt, context):
+    # (bytes after the prompt's forward, bytes once the cache holds the whole context)
     if encoder_decoder:
         # the prompt is the encoder's input; the decoder holds the rest of the context
-        held = max(context - prompt, 1)
+        decoder = max(context - prompt, 1)
         after_prompt = cache_bytes(run(1, encoder_tokens=prompt))
-        cache = run(held - 1, encoder_tokens=prompt) if held > 1 else None
-        at_context = cache_bytes(run(1, past=cache, encoder_tokens=prompt)) if held > 1 else after_prompt
-    else:
-        after_prompt = cache_bytes(run(prompt))
-        if context > prompt:
-            at_context = cache_bytes(run(1, past=run(context - 1)))
-        else:
-            at_context = after_prompt
+        if decoder == 1:
+            return after_prompt, after_prompt
+        return after_prompt, cache_bytes(run(1, past=run(decoder - 1, encoder_tokens=prompt), encoder_tokens=prompt))
+    after_prompt = cache_bytes(run(prompt))
+    return after_prompt, (cache_bytes(run(1, past=run(context - 1))) if context > prompt else after_prompt)
+
+STEP = 64  # tokens added to see how the peak grows with the context
+try:
+    after_prompt, at_context = held(prompt, context)
+    # the same job STEP tokens longer (a prompt that was the whole context stays the whole context)
+    longer = held(prompt if prompt < context else context + STEP, context + STEP)
 except Exception as exc:
     print(json.dumps({"unrunnable": first(exc), "model_type": str(getattr(config, "model_type", "?"))}))
     sys.exit(0)
@@ -109,7 +113,8 @@ def rows(module, only_trainable=False):
     return [(name, str(p.dtype).removeprefix("torch."), p.numel(), p.numel() * p.element_size())
             for name, p in module.named_parameters() if p.requires_grad or not only_trainable]
 
-answer = {"kv_after_prompt": after_prompt, "kv_at_context": at_context, "parameters": rows(model),
+answer = {"kv_after_prompt": after_prompt, "kv_at_context": at_context,
+          "kv_growth_per_token": (max(longer) - max(after_prompt, at_context)) / STEP, "parameters": rows(model),
           "encoder_decoder": encoder_decoder, "adapters": []}
 # the largest block FSDP gathers at once: the biggest repeated layer
 blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
@@ -144,6 +149,7 @@ class JobProbe:
 
     kv_after_prompt: int   # the cache right after the prompt's forward
     kv_at_context: int     # the cache once it holds the whole context
+    kv_growth_per_token: float  # how the peak grows per token of context beyond this one (0: a fixed state)
     parameters: tuple[tuple[str, str, int, int], ...]
     adapters: tuple[tuple[str, str, int, int], ...]  # LoRA parameters peft adds (the trainable ones)
     lora_targets: tuple[str, ...]
@@ -174,7 +180,7 @@ def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, conte
             if problem in answer:
                 raise OomMagicError(f"{config.name}: {what} ({answer[problem]}); the job is not sized")
         _cache[key] = JobProbe(
-            int(answer["kv_after_prompt"]), int(answer["kv_at_context"]),
+            int(answer["kv_after_prompt"]), int(answer["kv_at_context"]), float(answer["kv_growth_per_token"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["parameters"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["adapters"]),
             tuple(str(t) for t in answer.get("lora_targets", ())), int(answer["largest_layer"]),
