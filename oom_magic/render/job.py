@@ -44,13 +44,16 @@ def job_fit_text(fit: JobFit) -> str:
         each = ", ".join(format_bytes(b) for b in fit.parts.per_device)
         lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of everything plus the largest layer gathered): {each}")
     if fit.largest_context is not None:
-        lines.append(f"  largest context at batch {fit.job.batch}: {fit.largest_context:,} tokens")
+        lines.append(f"  largest context at batch {fit.job.batch}: {fit.largest_context:,} tokens "
+                     "(the cache's growth; the prompt's forward as sized here)")
     if fit.largest_batch is not None:
         lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}")
     if fit.gpus_needed is not None:
         lines.append(f"  needs {fit.gpus_needed}x{fit.target}")
     if fit.parts.activations is None:
-        lines.append("  activations (the transient peak of a forward/backward) are not sized yet")
+        lines.append("  activations (the transient peak of a forward/backward) are not sized for this job")
+    else:
+        lines.append("  activations: the prompt's forward with eager attention (sdpa/flash kernels hold less)")
     lines.append(f"  {GPU_ONLY_LINE}")
     return "\n".join(lines)
 

@@ -89,6 +89,7 @@ def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:
     if job.gpus > 1 and job.train:
         sharded = weights + gradients + optimizer + adapters + kv
         per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer,) * job.gpus
-    parts = JobParts(weights=weights, kv_cache=kv, activations=None, gradients=gradients, optimizer=optimizer,
+    activations = None if job.train else probe.activations
+    parts = JobParts(weights=weights, kv_cache=kv, activations=activations, gradients=gradients, optimizer=optimizer,
                      adapters=adapters, per_device=per_device)
     return JobSizing(parts, 0.0 if job.train else probe.kv_growth_per_token, kv // job.batch, probe.largest_layer)

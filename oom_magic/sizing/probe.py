@@ -7,6 +7,11 @@ the child builds the model from its config on the meta device (no memory, no wei
 prompt's forward and one decoding step at the context with ``use_cache=True``, and adds up the
 bytes of every tensor the returned cache holds. With LoRA it wraps the same meta model with
 peft's ``get_peft_model`` (peft's own ``target_modules`` matching) and reports the adapters.
+The prompt's forward also runs under a dispatch mode that adds up the storages ops create and
+Python frees (weakref finalizers): its live bytes at the peak, beyond the cache, are the prompt's
+transient activations. With eager attention this equals the PyTorch profiler's memory timeline of
+a real cpu forward (measured within 0.1%); on the meta device sdpa runs its math path, so the
+figure is eager's: sdpa/flash kernels on a GPU hold less (no batch x heads x prompt² scores).
 The user's kernel never imports torch, transformers or peft for this (``run_child``).
 """
 from __future__ import annotations
@@ -22,11 +27,13 @@ __all__ = ["JobProbe", "probe_job"]
 
 # Run by the child: argv = folder, dtype, batch, prompt, context, lora_r (0: none), lora targets (JSON).
 _CHILD = r"""
-import json, sys
+import json, sys, weakref
 folder, declared, batch, prompt, context, lora_r, targets = sys.argv[1:8]
 batch, prompt, context, lora_r, targets = int(batch), int(prompt), int(context), int(lora_r), json.loads(targets)
 try:
     import torch, transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
 except ImportError as exc:
     print(json.dumps({"missing": str(exc)})); sys.exit(0)
 def first(exc):
@@ -100,6 +107,47 @@ def held(prompt, context):
     after_prompt = cache_bytes(run(prompt))
     return after_prompt, (cache_bytes(run(1, past=run(context - 1))) if context > prompt else after_prompt)
 
+class Live(TorchDispatchMode):
+    # live bytes as ops create tensors and Python frees them: the memory timeline of a real run
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.held = 0, 0, {}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                key = t.untyped_storage()._cdata
+                if key in self.held:
+                    self.held[key][1] += 1
+                else:
+                    self.held[key] = [t.untyped_storage().nbytes(), 1]
+                    self.live += self.held[key][0]
+                    self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self.drop, key)
+        return out
+    def drop(self, key):
+        entry = self.held[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.live -= entry[0]
+            del self.held[key]
+
+def prompt_transient():
+    # the prompt's forward as generate runs it (logits of the last token only), eager attention:
+    # what it holds at its peak beyond the cache it leaves; None where the model cannot run so
+    if encoder_decoder:
+        return None
+    try:
+        model.set_attn_implementation("eager")
+        mode = Live()
+        ids = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
+        with torch.no_grad(), mode:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache = cache_bytes(out.past_key_values)
+        return max(mode.peak - cache, 0)
+    except Exception:
+        return None
+
 STEP = 64  # tokens added to see how the peak grows with the context
 try:
     after_prompt, at_context = held(prompt, context)
@@ -113,7 +161,7 @@ def rows(module, only_trainable=False):
     return [(name, str(p.dtype).removeprefix("torch."), p.numel(), p.numel() * p.element_size())
             for name, p in module.named_parameters() if p.requires_grad or not only_trainable]
 
-answer = {"kv_after_prompt": after_prompt, "kv_at_context": at_context,
+answer = {"activations": prompt_transient(), "kv_after_prompt": after_prompt, "kv_at_context": at_context,
           "kv_growth_per_token": (max(longer) - max(after_prompt, at_context)) / STEP, "parameters": rows(model),
           "encoder_decoder": encoder_decoder, "adapters": []}
 # the largest block FSDP gathers at once: the biggest repeated layer
@@ -147,6 +195,7 @@ print(json.dumps(answer))
 class JobProbe:
     """What the meta-device run of a job found (int bytes; parameters as (name, dtype, elements, bytes))."""
 
+    activations: int | None  # the prompt's forward at its peak beyond the cache (eager attention); None: not run
     kv_after_prompt: int   # the cache right after the prompt's forward
     kv_at_context: int     # the cache once it holds the whole context
     kv_growth_per_token: float  # how the peak grows per token of context beyond this one (0: a fixed state)
@@ -179,8 +228,9 @@ def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, conte
                               ("unadaptable", "peft cannot add LoRA adapters to it")):
             if problem in answer:
                 raise OomMagicError(f"{config.name}: {what} ({answer[problem]}); the job is not sized")
+        activations = answer.get("activations")
         _cache[key] = JobProbe(
-            int(answer["kv_after_prompt"]), int(answer["kv_at_context"]), float(answer["kv_growth_per_token"]),
+            None if activations is None else int(activations), int(answer["kv_after_prompt"]), int(answer["kv_at_context"]), float(answer["kv_growth_per_token"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["parameters"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["adapters"]),
             tuple(str(t) for t in answer.get("lora_targets", ())), int(answer["largest_layer"]),

@@ -45,8 +45,9 @@ def test_inference_json_carries_parts_equal_to_a_real_cache_and_the_weights(llam
     with torch.no_grad():
         real = model(input_ids=torch.randint(3, 256, (3, 48)), use_cache=True).past_key_values
     assert check["parts"] == {"weights": estimate_checkpoint(folder, "auto").bytes,
-                              "kv_cache": cache_storage_bytes(real), "activations": None,
+                              "kv_cache": cache_storage_bytes(real), "activations": check["parts"]["activations"],
                               "gradients": 0, "optimizer": 0, "adapters": 0}
+    assert check["parts"]["activations"] > 0  # held to the profiler in tests/sizing/test_activations.py
     assert check["fits"] is True and check["per_device"] == [] and check["largest_batch"] > 3
 
 
@@ -84,3 +85,17 @@ def test_bad_job_input_is_one_line_and_exit_2(llama, args, message):
 def test_fit_check_without_a_target_names_the_fix(llama):
     with pytest.raises(OomMagicError, match="sizing a job needs target="):
         oom_magic.fit_check(llama[0], context=128)
+
+
+def test_the_largest_context_is_the_last_that_fits_when_sized_again(tmp_path):
+    from oom_magic.fit.job_fit import _verdict
+    from oom_magic.records.job import Job
+    from oom_magic.sizing.parts import size_job
+
+    build("llama-gqa").save_pretrained(tmp_path)
+    sizing = size_job(tmp_path, Job(context=40, prompt=16))  # the prompt's forward stays the same
+    usable = sizing.parts.total + 10_000  # room for a few more tokens
+    largest = _verdict(str(tmp_path), Job(context=40, prompt=16), sizing, "test budget", usable).largest_context
+    assert largest is not None and largest > 40
+    assert size_job(tmp_path, Job(context=largest, prompt=16)).parts.total <= usable
+    assert size_job(tmp_path, Job(context=largest + 1, prompt=16)).parts.total > usable
