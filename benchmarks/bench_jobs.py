@@ -24,7 +24,8 @@ def _window_formula(config: Any, tokens: int, dtype_bytes: int) -> int | None:
         return None
     head_dim = getattr(config, "head_dim", None) or hidden // attention_heads
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
+    # a config with a window and no per-layer types (Mistral) slides on every layer
+    types = getattr(config, "layer_types", None) or [("sliding_attention" if window else "full_attention")] * layers
     total = 0
     for kind in types:
         held = min(tokens, window) if window and kind == "sliding_attention" else tokens
