@@ -50,7 +50,10 @@ def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: in
     fits = needed <= (usable if parts.per_device else budget)
     largest_context = largest_batch = None
     if not job.train:
-        room = budget - (parts.total - parts.kv_cache)  # what the cache may take
+        # what the cache may take; a prompt that is the whole context shrinks with it, so its
+        # forward's transient is left out there (the text says so), kept when the prompt is fixed
+        prompt_forward = (parts.activations or 0) if job.prompt is None else 0
+        room = budget - (parts.total - parts.kv_cache - prompt_forward)
         if sizing.kv_growth_per_token > 0:
             largest_context = max(job.context + math.floor((room - parts.kv_cache) / sizing.kv_growth_per_token), 0)
         largest_batch = max(room // sizing.kv_per_sequence, 0) if sizing.kv_per_sequence else None

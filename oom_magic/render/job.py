@@ -44,8 +44,9 @@ def job_fit_text(fit: JobFit) -> str:
         each = ", ".join(format_bytes(b) for b in fit.parts.per_device)
         lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of everything plus the largest layer gathered): {each}")
     if fit.largest_context is not None:
-        lines.append(f"  largest context at batch {fit.job.batch}: {fit.largest_context:,} tokens "
-                     "(the cache's growth; the prompt's forward as sized here)")
+        held = "the weights and the cache alone" if fit.job.prompt is None else \
+            f"with the {fit.job.prompt:,}-token prompt's forward"
+        lines.append(f"  largest context at batch {fit.job.batch}: {fit.largest_context:,} tokens ({held})")
     if fit.largest_batch is not None:
         lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}")
     if fit.gpus_needed is not None:
@@ -53,7 +54,8 @@ def job_fit_text(fit: JobFit) -> str:
     if fit.parts.activations is None:
         lines.append("  activations (the transient peak of a forward/backward) are not sized for this job")
     else:
-        lines.append("  activations: the prompt's forward with eager attention (sdpa/flash kernels hold less)")
+        lines.append("  activations: the prompt's forward as eager attention holds it (batch x heads x prompt² "
+                     "scores); an upper bound where sdpa/flash kernels run")
     lines.append(f"  {GPU_ONLY_LINE}")
     return "\n".join(lines)
 
