@@ -10,7 +10,9 @@ Runs, each in its own process so no heap or import leaks into another:
 - estimate (bench_estimate.py): ``estimate_checkpoint`` vs accelerate's meta-device estimate;
 - cleanup (bench_cleanup.py): bytes ``%freeall`` gives back on the stale-memory traps vs ``gc.collect()``;
 - truth (bench_estimate_truth.py): the estimator vs what loads really hold (bf16/fp16/int8/nf4 on six
-  architectures) and load_peak's predicted vs measured host peak; written to benchmarks/ESTIMATES.md.
+  architectures) and load_peak's predicted vs measured host peak; written to benchmarks/ESTIMATES.md;
+- jobs (bench_jobs.py): a job's KV cache and training state predicted vs measured per family, beside a
+  window-sized KV formula and accelerate's 4x-for-Adam rule; written to benchmarks/JOBS.md.
 
 Then prints one table (ratios, absolute times beside) and writes benchmarks/RESULTS.md (with the
 machine's description), benchmarks/scaling.png and benchmarks/results.json. Timings are printed
@@ -645,7 +647,7 @@ def cleanup_section(clean: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small heaps only, fewer repetitions (a smoke test)")
-    parser.add_argument("--only", nargs="*", choices=("scan", "shapes", "hook", "kernel", "estimate", "cleanup", "truth"),
+    parser.add_argument("--only", nargs="*", choices=("scan", "shapes", "hook", "kernel", "estimate", "cleanup", "truth", "jobs"),
                         help="run only these benchmarks")
     parser.add_argument("--before", default=BEFORE_REF, help="git ref whose tracker/holders are timed as 'before' ('' to skip)")
     parser.add_argument("--render", action="store_true",
@@ -657,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
         log("wrote benchmarks/RESULTS.md from benchmarks/results.json (no benchmark ran)")
         return 0
     started = time.perf_counter()
-    wanted = set(args.only or ("scan", "shapes", "hook", "kernel", "estimate", "cleanup", "truth"))
+    wanted = set(args.only or ("scan", "shapes", "hook", "kernel", "estimate", "cleanup", "truth", "jobs"))
     results: dict[str, Any] = {"machine": machine()}
     log(f"machine: {results['machine']['cpu_model']}, {results['machine']['logical_cores']} cores, "
         f"{results['machine']['ram_bytes'] / 2**30:.1f} GiB, Python {results['machine']['python']}, "
@@ -684,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         ("estimate", lambda: _in_process("bench_estimate")),
         ("cleanup", lambda: _in_process("bench_cleanup")),
         ("truth", lambda: _in_process("bench_estimate_truth", timeout=1200)),
+        ("jobs", lambda: _in_process("bench_jobs", timeout=1200)),
     ]
     for name, step in steps:
         if name in wanted:
@@ -707,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
         import bench_estimate_truth
 
         (HERE / "ESTIMATES.md").write_text(bench_estimate_truth.markdown(results["truth"]))
+    if "jobs" in results and "error" not in results["jobs"]:
+        import bench_jobs
+
+        (HERE / "JOBS.md").write_text(bench_jobs.markdown(results["jobs"]))
     (HERE / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (HERE / "RESULTS.md").write_text(results_markdown(results, elapsed))
     log(f"\nwrote benchmarks/RESULTS.md, benchmarks/scaling.png, benchmarks/results.json in {elapsed / 60:.1f} min")

@@ -10,10 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, cast
 from collections.abc import Sequence
 
 from .fit.check import DTYPES, QUANTIZATIONS
+from .records.job import TRAIN_KINDS
+
+if TYPE_CHECKING:
+    from .records.preflight import Preflight
 
 if TYPE_CHECKING:
     from .records.preflight import Preflight
@@ -81,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("--type-k", default="f16", help="KV cache type of K (f16, q8_0, q4_0, ...; default f16).")
     gguf.add_argument("--type-v", default="f16", help="KV cache type of V (default f16).")
     fit.add_argument("--json", action="store_true", help="Print the check as JSON (int bytes) instead of text.")
+    job = fit.add_argument_group("the job (needs --target; a count such as 2xA10G splits it over that many)")
+    job.add_argument("--context", type=int, default=None, metavar="N",
+                     help="Size the job, not just the load: tokens the KV cache holds (prompt + generated).")
+    job.add_argument("--prompt", type=int, default=None, metavar="N",
+                     help="Tokens of the prompt's forward (default: the whole context, the worst case).")
+    job.add_argument("--batch", type=int, default=1, metavar="B", help="Sequences at once (default 1).")
+    job.add_argument("--train", default=None, choices=TRAIN_KINDS,
+                     help="A fine-tune instead of inference: the optimizer (adamw, sgd, adamw8bit) or LoRA/QLoRA.")
+    job.add_argument("--lora-r", type=int, default=16, metavar="R", help="The LoRA rank (default 16).")
     return parser
 
 
@@ -92,12 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .common.errors import OomMagicError
     from .fit.check import fit_check
 
+    if args.context is not None or args.train is not None:
+        return _job(args)
     if args.file is not None or str(args.checkpoint).endswith(".gguf"):
         return _gguf(args)
     try:
-        preflight = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
-                              quantization=args.quantization, headroom=args.headroom, revision=args.revision,
-                              hub_timeout=args.hub_timeout)
+        checked = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
+                            quantization=args.quantization, headroom=args.headroom, revision=args.revision,
+                            hub_timeout=args.hub_timeout)
+        preflight = cast("Preflight", checked)  # no job given: the load's check
     except OomMagicError as exc:
         fix = _MISSING_FIX if str(exc).startswith(("no such file", "cannot find checkpoint")) else ""
         return _fail(args.json, f"{exc}{fix}")
@@ -115,6 +131,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"oom-magic fit: nothing was checked; {_unchecked_fix(preflight, args.target)}", file=sys.stderr)
         return BAD_INPUT
     return FITS if preflight.fits else WILL_NOT_FIT
+
+
+def _job(args: argparse.Namespace) -> int:
+    """``--context`` / ``--train``: size the job and check it against the target GPUs."""
+    from .common.errors import OomMagicError
+    from .fit.job_fit import job_fit
+    from .records.job import Job
+    from .render.job import job_fit_dict, job_fit_text
+
+    try:
+        if args.target is None:
+            raise OomMagicError("sizing a job needs --target GPU (T4, A10G, 2xA10G, 24GiB, ...)")
+        if args.quantization is not None:
+            raise OomMagicError("--quantization is not sized with a job yet; use --train qlora for a 4-bit base")
+        job = Job(context=1 if args.context is None else args.context, batch=args.batch, prompt=args.prompt, train=args.train,
+                  lora_r=args.lora_r)
+        fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype)
+    except OomMagicError as exc:
+        return _fail(args.json, str(exc))
+    if args.json:
+        _print_json(job_fit_dict(fit))
+    else:
+        print(job_fit_text(fit), flush=True)
+    return FITS if fit.fits else WILL_NOT_FIT
 
 
 def _gguf(args: argparse.Namespace) -> int:

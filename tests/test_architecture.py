@@ -24,7 +24,7 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 GLUE = {name for name in MODULES if name.startswith("oom_magic.notebook")}
 # The package's capabilities, top to bottom: a package imports only packages below it (or itself).
-PACKAGE_LAYERS = ("notebook", "cli", "guard", "fit", "heap", "checkpoints", "device", "render", "records", "common")
+PACKAGE_LAYERS = ("notebook", "cli", "guard", "fit", "sizing", "heap", "checkpoints", "device", "render", "records", "common")
 # The command sits beside the notebook glue: neither imports the other.
 TOP = {"oom_magic", "oom_magic.__main__"}
 

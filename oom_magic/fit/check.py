@@ -16,8 +16,10 @@ from collections.abc import Mapping
 
 from ..common.errors import OomMagicError
 from ..common.sizes import parse_headroom
+from ..records.job import Job, JobFit
 from ..records.request import LoadRequest
 from ..records.target import Target
+from .job_fit import job_fit
 from .preflight import Preflight, check_requests, preflight_check
 from .targets import parse_target
 
@@ -91,7 +93,9 @@ def checkpoint_request(path: str | os.PathLike[str], *, device: str, dtype: str 
 def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | None = None, target: Any = None,
               dtype: str | None = None, quantization: str | None = None, headroom: str | int | None = None,
               namespace: Mapping[str, Any] | None = None, revision: str | None = None,
-              token: str | None = None, hub_timeout: float | None = None) -> Preflight:
+              token: str | None = None, hub_timeout: float | None = None, context: int | None = None,
+              batch: int = 1, prompt: int | None = None, train: str | None = None,
+              lora_r: int = 16) -> Preflight | JobFit:
     """Check whether a checkpoint, or the loads in some code, fit a device or a target GPU; runs nothing.
 
     ``path_or_cell_or_call`` is a checkpoint (file, folder, shard index or cached hub id ``org/name``)
@@ -104,10 +108,19 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
     True, False, or None when nothing could be sized); raises ``OomMagicError`` with the fix for a
     missing path, unknown target or dtype.
 
+    ``context`` / ``train`` ("adamw", "sgd", "adamw8bit", "lora", "qlora") size the job instead of the
+    load alone, against ``target`` ("A10G", "2xA10G"), and return a ``JobFit`` (see fit.job_fit).
+
     A hub id not in the local cache is sized from its config.json and safetensors headers read from
     the hub at ``revision`` (``token``: else HF_TOKEN or the saved login), within ``hub_timeout``
     seconds (default 10); a failure to read them is an ``OomMagicError`` of one line.
     """
+    if context is not None or train is not None:
+        if target is None:
+            raise OomMagicError("sizing a job needs target= (a GPU such as 'A10G', '2xA10G' or '24GiB')")
+        job = Job(context=1 if context is None else context, batch=batch, prompt=prompt,
+                  train=train, lora_r=lora_r)  # type: ignore[arg-type]  # check_job names a bad kind
+        return job_fit(path_or_cell_or_call, job, str(target), dtype=dtype)
     from ..checkpoints.hub import hub_options
 
     with hub_options(timeout=hub_timeout, token=token):

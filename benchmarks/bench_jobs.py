@@ -1,0 +1,144 @@
+"""A job's parts, predicted (sizing) vs measured on tiny real models, beside the rules of thumb.
+
+For each family: the KV cache's peak of a generate (prompt 48, 16 new tokens, batch 2) as sized
+on the meta device, as really held (the cache's storages after the prompt and at the end), and as
+a window-sized formula and a full-context formula would say; for fine-tunes: weights + gradients
++ optimizer state after a real AdamW / LoRA step, beside accelerate's estimate-memory rule (4x the
+weights for Adam). Written to benchmarks/JOBS.md by ``make bench`` (benchmarks/run.py).
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BATCH, PROMPT, NEW = 2, 48, 16
+
+
+def _window_formula(config: Any, tokens: int, dtype_bytes: int) -> int | None:
+    """Bytes of a per-layer formula: kv_heads x head_dim x tokens (capped at the window), keys and values."""
+    layers = getattr(config, "num_hidden_layers", None)
+    heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    hidden, attention_heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not (layers and heads and hidden and attention_heads):
+        return None
+    head_dim = getattr(config, "head_dim", None) or hidden // attention_heads
+    window = getattr(config, "sliding_window", None)
+    # a config with a window and no per-layer types (Mistral) slides on every layer
+    types = getattr(config, "layer_types", None) or [("sliding_attention" if window else "full_attention")] * layers
+    total = 0
+    for kind in types:
+        held = min(tokens, window) if window and kind == "sliding_attention" else tokens
+        total += 2 * BATCH * heads * head_dim * held * dtype_bytes
+    return total
+
+
+def _inference(family: str, root: Path) -> dict[str, Any]:
+    import torch
+
+    from oom_magic.sizing.probe import probe_job
+    from tests.sizing.families import build, cache_storage_bytes
+
+    model = build(family)
+    model.config.save_pretrained(root / family)
+    ids = torch.randint(3, 256, (BATCH, PROMPT))
+    with torch.no_grad():
+        if model.config.is_encoder_decoder:
+            first = model(input_ids=ids, decoder_input_ids=torch.zeros(BATCH, 1, dtype=torch.long), use_cache=True)
+            context = PROMPT + NEW
+        else:
+            first = model(input_ids=ids, use_cache=True)
+            context = PROMPT + NEW - 1
+        out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                             return_dict_in_generate=True)
+    measured = max(cache_storage_bytes(first.past_key_values), cache_storage_bytes(out.past_key_values))
+    probe = probe_job(root / family / "config.json", "float32", batch=BATCH, prompt=PROMPT, context=context)
+    config = model.config
+    window = _window_formula(config, context, 4)
+    full = None
+    if window is not None:
+        full = _window_formula(type(config)(**{**config.to_dict(), "sliding_window": None}), context, 4)
+    return {"family": family, "job": f"generate {PROMPT}+{NEW}, batch {BATCH}",
+            "predicted": max(probe.kv_after_prompt, probe.kv_at_context), "measured": measured,
+            "window_formula": window, "full_context_formula": full}
+
+
+def _training(family: str, kind: str, root: Path) -> dict[str, Any]:
+    import torch
+
+    from oom_magic.sizing.probe import probe_job
+    from oom_magic.sizing.training import gradient_bytes, optimizer_bytes
+    from tests.sizing.families import build
+
+    model = build(family, torch.bfloat16).train()
+    model.config.save_pretrained(root / family)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if kind == "lora":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, task_type="CAUSAL_LM"))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-4)
+    ids = torch.randint(3, 256, (BATCH, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    real = sum(p.numel() * p.element_size() for p in model.parameters())  # weights + adapters
+    real += sum(p.grad.numel() * p.grad.element_size() for p in trained)
+    real += sum(v.numel() * v.element_size() for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    probe = probe_job(root / family / "config.json", "bfloat16", batch=1, prompt=4, context=4,
+                      lora_r=8 if kind == "lora" else 0)
+    rows = probe.adapters if kind == "lora" else probe.parameters
+    predicted = (sum(r[3] for r in probe.parameters) + sum(r[3] for r in probe.adapters)
+                 + gradient_bytes(rows) + optimizer_bytes(rows, "adamw"))
+    return {"family": family, "job": f"{kind} AdamW step, bf16", "predicted": predicted, "measured": real,
+            "accelerate_4x": 4 * weights}
+
+
+def run() -> dict[str, Any]:
+    from tests.sizing.families import FAMILIES
+
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        inference = [_inference(family, root) for family in sorted(FAMILIES)]
+        # peft has no default LoRA targets for Mixtral: it is fine-tuned in full only
+        training = [_training(family, kind, root) for family, kind in (
+            ("llama-gqa", "full"), ("llama-gqa", "lora"), ("gpt2", "full"), ("gpt2", "lora"), ("mixtral-moe", "full"))]
+    return {"inference": inference, "training": training}
+
+
+def _cell(value: int | None, truth: int) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,} ({(value - truth) / truth:+.0%})" if truth else f"{value:,}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """JOBS.md: predicted vs measured per family and job, beside the rules of thumb."""
+    lines = ["# A job's parts: predicted vs measured", "",
+             "Written by `make bench` (benchmarks/bench_jobs.py) on tiny real models on the cpu, float32 caches. "
+             "Bytes; in brackets the error against what was measured.", "",
+             "## KV cache at its peak (a generate: the prompt's forward, then decoding)", "",
+             "| family | job | measured | oom-magic | window formula | full-context formula |",
+             "|---|---|---|---|---|---|"]
+    for row in result.get("inference", []):
+        m = row["measured"]
+        lines.append(f"| {row['family']} | {row['job']} | {m:,} | {_cell(row['predicted'], m)} | "
+                     f"{_cell(row['window_formula'], m)} | {_cell(row['full_context_formula'], m)} |")
+    lines += ["", "## Fine-tuning: weights + adapters + gradients + optimizer state after one AdamW step", "",
+              "AdamW's `step` counters live on the host and are left out of both columns.", "",
+              "| family | job | measured | oom-magic | accelerate estimate-memory (4x weights) |", "|---|---|---|---|---|"]
+    for row in result.get("training", []):
+        m = row["measured"]
+        lines.append(f"| {row['family']} | {row['job']} | {m:,} | {_cell(row['predicted'], m)} | "
+                     f"{_cell(row['accelerate_4x'], m)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
+    outcome = run()
+    print(json.dumps(outcome, indent=1))
+    (Path(__file__).resolve().parent / "JOBS.md").write_text(markdown(outcome))

@@ -1,0 +1,73 @@
+"""The fit check of a job: its parts against the usable memory of one or several target GPUs.
+
+``job_fit("path", Job(context=8192, batch=4), "2xA10G")`` sizes the job (``sizing.parts``) and
+answers: does the busiest device fit, the largest context at this batch and the largest batch at
+this context that would, and how many of that GPU the job needs when it does not.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from ..common.errors import OomMagicError
+from ..records.job import Job, JobFit
+from ..sizing.parts import JobSizing, check_job, size_job
+from .targets import parse_target
+
+__all__ = ["job_fit", "split_target"]
+
+_COUNT = re.compile(r"^\s*(\d+)\s*[x×]\s*(\S.*)$", re.IGNORECASE)
+_MOST_GPUS = 64
+
+
+def split_target(text: str) -> tuple[int, str]:
+    """'2xA10G' → (2, 'A10G'); 'T4' → (1, 'T4'). OomMagicError for a count below 1 or over 64."""
+    match = _COUNT.match(str(text))
+    if match is None:
+        return 1, str(text).strip()
+    count = int(match.group(1))
+    if not 1 <= count <= _MOST_GPUS:
+        raise OomMagicError(f"{text!r}: the GPU count must be between 1 and {_MOST_GPUS}")
+    return count, match.group(2).strip()
+
+
+def job_fit(path_or_id: str | os.PathLike[str], job: Job, target: str, *, dtype: str | None = None) -> JobFit:
+    """Size ``job`` on the checkpoint and check it against ``target`` ("T4", "2xA10G", "24GiB")."""
+    count, name = split_target(target)
+    if count > 1 and job.gpus == 1:
+        job = Job(**{**job.__dict__, "gpus": count})
+    check_job(job)
+    usable = parse_target(name).usable
+    sizing = size_job(path_or_id, job, dtype=dtype)
+    return _verdict(str(path_or_id), job, sizing, name, usable)
+
+
+def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: int) -> JobFit:
+    parts = sizing.parts
+    budget = usable * job.gpus  # inference over several GPUs: the sum (the per-layer split is not checked)
+    needed = max(parts.per_device) if parts.per_device else parts.total
+    fits = needed <= (usable if parts.per_device else budget)
+    largest_context = largest_batch = None
+    if not job.train:
+        # what the cache may take; a prompt that is the whole context shrinks with it, so its
+        # forward's transient is left out there (the text says so), kept when the prompt is fixed
+        prompt_forward = (parts.activations or 0) if job.prompt is None else 0
+        room = budget - (parts.total - parts.kv_cache - prompt_forward)
+        if sizing.kv_growth_per_token > 0:
+            largest_context = max(job.context + math.floor((room - parts.kv_cache) / sizing.kv_growth_per_token), 0)
+        largest_batch = max(room // sizing.kv_per_sequence, 0) if sizing.kv_per_sequence else None
+    return JobFit(checkpoint, job, parts, name, usable, fits, largest_context, largest_batch,
+                  None if fits else _gpus_needed(job, sizing, usable))
+
+
+def _gpus_needed(job: Job, sizing: JobSizing, usable: int) -> int | None:
+    parts = sizing.parts
+    if not job.train:
+        count = math.ceil(parts.total / usable)
+        return count if count <= _MOST_GPUS else None
+    gathered = sizing.largest_layer
+    for count in range(job.gpus + 1, _MOST_GPUS + 1):
+        if math.ceil(parts.total / count) + gathered <= usable:
+            return count
+    return None

@@ -1,0 +1,95 @@
+"""Put a checkpoint's weights and a job together into the parts it holds on its devices.
+
+The weights come from the checkpoint's headers (``checkpoints.estimate``: bitsandbytes' nf4 figures
+for QLoRA's base); everything else from the job's meta-device probe: the KV cache at its peak for
+inference; gradients and optimizer state as torch.optim creates them for a fine-tune, only for the
+adapters with LoRA. Over several GPUs a fine-tune is sharded as FSDP / ZeRO-3 does it: each device
+holds 1/N of the parameters, gradients and state, plus the largest layer gathered whole.
+(Inference over several GPUs, accelerate's ``device_map="auto"`` split, is not sized here yet.)
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ..checkpoints.estimate import estimate_checkpoint
+from ..checkpoints.files import find_checkpoint_files, resolve_checkpoint
+from ..common.dtypes import canonical_dtype
+from ..common.errors import OomMagicError
+from ..records.job import TRAIN_KINDS, Job, JobParts
+from .probe import JobProbe, probe_job
+from .training import gradient_bytes, optimizer_bytes
+
+__all__ = ["JobSizing", "check_job", "size_job"]
+
+_FLOATS = ("float32", "float16", "bfloat16")
+_OPTIMIZER = {"adamw": "adamw", "sgd": "sgd", "adamw8bit": "adamw8bit", "lora": "adamw", "qlora": "adamw"}
+
+
+@dataclass(frozen=True)
+class JobSizing:
+    """A job's parts and how its KV cache scales, for the verdict's largest context and batch."""
+
+    parts: JobParts
+    kv_growth_per_token: float  # bytes the peak cache grows per token of context at this batch
+    kv_per_sequence: int        # the peak cache divided by the batch (every cache tensor has a batch row)
+    largest_layer: int          # bytes of the largest repeated block: what FSDP gathers whole on each device
+
+
+def check_job(job: Job) -> Job:
+    """Return ``job`` if its numbers make sense; OomMagicError with the fix otherwise."""
+    for name in ("context", "batch", "gpus", "lora_r"):
+        value = getattr(job, name)
+        if type(value) is not int or value < 1:
+            raise OomMagicError(f"{name} must be a whole number of at least 1, not {value!r}")
+    if job.prompt is not None and (type(job.prompt) is not int or job.prompt < 1):
+        raise OomMagicError(f"prompt must be a whole number of at least 1 (or left out), not {job.prompt!r}")
+    if job.train is not None and job.train not in TRAIN_KINDS:
+        raise OomMagicError(f"unknown training kind {job.train!r}: use one of {', '.join(TRAIN_KINDS)}")
+    return job
+
+
+def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None = None) -> JobSizing:
+    """The parts ``job`` holds when the checkpoint is loaded as ``dtype`` (default: its config's dtype).
+
+    Needs the config.json beside the weights (the cache and the layers come from it). Raises
+    OomMagicError with one line for a bad job, a checkpoint without a config, or a model that
+    transformers (or peft, for LoRA) cannot build.
+    """
+    check_job(job)
+    if dtype is not None:
+        dtype = canonical_dtype(dtype)
+        if dtype not in _FLOATS:
+            raise OomMagicError(f"unknown dtype {dtype!r} for a job: use one of {', '.join(_FLOATS)} "
+                                "(--train qlora for a 4-bit base)")
+    found = find_checkpoint_files(resolve_checkpoint(path_or_id))
+    if found.config is None:
+        raise OomMagicError(f"{found.path}: no config.json beside the weights; sizing a job (its KV cache, "
+                            "its layers) needs the model's config")
+    qlora = job.train == "qlora"
+    estimate = estimate_checkpoint(path_or_id, "nf4" if qlora else (dtype or "auto"))
+    compute = dtype or (estimate.declared_dtype if estimate.declared_dtype in _FLOATS
+                        else ("bfloat16" if qlora else "float32"))
+    lora = job.train in ("lora", "qlora")
+    probe = probe_job(found.config, compute, batch=job.batch, prompt=job.prompt_tokens, context=job.context,
+                      lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else ())
+    return _sizing(estimate.bytes, probe, job)
+
+
+def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:
+    kv = 0 if job.train else max(probe.kv_after_prompt, probe.kv_at_context)
+    gradients = optimizer = adapters = 0
+    if job.train:
+        trained = probe.adapters if job.train in ("lora", "qlora") else probe.parameters
+        adapters = sum(row[3] for row in probe.adapters)
+        gradients = gradient_bytes(trained)
+        optimizer = optimizer_bytes(trained, _OPTIMIZER[job.train])
+    per_device: tuple[int, ...] = ()
+    if job.gpus > 1 and job.train:
+        sharded = weights + gradients + optimizer + adapters + kv
+        per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer,) * job.gpus
+    activations = None if job.train else probe.activations
+    parts = JobParts(weights=weights, kv_cache=kv, activations=activations, gradients=gradients, optimizer=optimizer,
+                     adapters=adapters, per_device=per_device)
+    return JobSizing(parts, 0.0 if job.train else probe.kv_growth_per_token, kv // job.batch, probe.largest_layer)
