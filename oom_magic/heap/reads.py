@@ -14,7 +14,7 @@ from collections.abc import Callable
 type_dict = type.__dict__["__dict__"].__get__
 type_mro = type.__dict__["__mro__"].__get__
 type_name = type.__dict__["__name__"].__get__
-module_dict = types.ModuleType.__dict__["__dict__"].__get__  # a module's globals, past any __getattr__
+module_dict = type_dict(types.ModuleType)["__dict__"].__get__  # a module's globals, past any __getattr__
 
 
 def is_plain_key(key: Any) -> bool:
