@@ -26,6 +26,7 @@ from .walk import Root, Walk
 from .names import Namer, render
 from .reads import MISSING, instance_attributes, plain_dict_slot, qualname
 from .resolve import resolve
+from .garbage import forget_garbage, garbage_storages, still_garbage
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
            "attribute", "attribute_reachable", "forget_paths"]
@@ -81,8 +82,9 @@ _plain_dict_slot = plain_dict_slot
 
 
 def forget_paths() -> None:
-    """Drop every remembered path (the next scan walks from scratch)."""
+    """Drop every remembered path and the garbage found (the next scan walks and searches from scratch)."""
     _REMEMBERED.clear()
+    forget_garbage()
 
 
 @pins_nothing
@@ -99,6 +101,9 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
                budget_nodes: int, budget_seconds: float, find_garbage: bool, trace_other: bool) -> Attribution:
     deadline = time.perf_counter() + budget_seconds
     holders = _remembered_holders(live, roots)
+    if find_garbage:  # garbage is unreachable from every root: no walk needs to look for it
+        for key in still_garbage(live, holders):
+            holders[key] = Holder(GARBAGE, "unreachable reference cycle", "gc")
     wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
     skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
@@ -124,11 +129,13 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
         nodes = walk.nodes
     finally:
         walk.release()
-    if any(h.kind in STALE_KINDS for h in holders.values()) and not user_exhausted:
+    # Which stale roots a variable reaches matters only where the output cache or a traceback holds
+    # something: garbage is unreachable by definition.
+    if stale_objects and not user_exhausted and any(h.kind in (OUTPUT_CACHE, TRACEBACK) for h in holders.values()):
         user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
     unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and find_garbage:
-        for key in _garbage_storages(live, unclaimed):
+        for key in garbage_storages(live, unclaimed):
             holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
         unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and trace_other:
@@ -346,95 +353,6 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         raise
     finally:
         walk.release()
-
-
-def _garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
-                      budget_seconds: float = 2.0) -> set[int]:
-    """Storages whose tensors sit in unreachable reference cycles, found without collecting.
-
-    A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
-    runs the collector's own test on the tensors' ancestors: an object is reachable when
-    something outside the ancestor set refers to it (its refcount exceeds the references from
-    inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
-    objects count as reachable, so a tensor is never called garbage by mistake.
-    """
-    deadline = time.perf_counter() + budget_seconds
-    keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
-    # The ancestor list holds the only references we keep, so refcounts can be accounted exactly.
-    ancestors: list[Any] = list(unclaimed)
-    live.tensors[:] = [t for t in live.tensors if id(t) not in keys]
-    unclaimed.clear()
-    index = {id(o): i for i, o in enumerate(ancestors)}
-    external: set[int] = set()
-    frontier = list(ancestors)
-    while frontier:
-        if len(ancestors) > budget_objects or time.perf_counter() > deadline:
-            external.update(id(o) for o in frontier)
-            break
-        ignore = {id(ancestors), id(frontier), id(live.tensors), id(index)}
-        found = gc.get_referrers(*frontier)
-        ignore.add(id(found))
-        frontier = []
-        for referrer in found:
-            if id(referrer) in ignore or id(referrer) in index:
-                continue
-            index[id(referrer)] = len(ancestors)
-            ancestors.append(referrer)
-            if _is_root_like(referrer):
-                external.add(id(referrer))  # module globals, classes, running frames: always reachable
-            else:
-                frontier.append(referrer)
-        del found
-    referrer = None  # the loop variable would count as an outside reference
-    marked = _reachable_ancestors(ancestors, index, external)
-    garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
-    alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
-    live.tensors.extend(o for o in ancestors if id(o) in keys)
-    ancestors.clear()
-    # A storage is garbage only when every tensor viewing it is.
-    return garbage - alive
-
-
-def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
-    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
-    inside = [0] * len(ancestors)
-    for holder in ancestors:
-        for child in gc.get_referents(holder):
-            i = index.get(id(child))
-            if i is not None:
-                inside[i] += 1
-    holder = child = None  # loop variables would add to the refcounts read below
-    # getrefcount's own argument and the ancestors list are the two references we hold.
-    start = [i for i in range(len(ancestors))
-             if id(ancestors[i]) in external or sys.getrefcount(ancestors[i]) - 2 > inside[i]]
-    marked = set(start)
-    while start:
-        for child in gc.get_referents(ancestors[start.pop()]):
-            i = index.get(id(child))
-            if i is not None and i not in marked:
-                marked.add(i)
-                start.append(i)
-    return marked
-
-
-def _is_root_like(obj: Any) -> bool:
-    cls = type(obj)
-    if cls is types.ModuleType or issubclass(cls, type):
-        return True
-    if cls is dict and "__name__" in obj and "__builtins__" in obj:
-        return True  # a module's globals
-    if cls is types.FrameType:
-        return _is_running(obj)
-    return False
-
-
-def _is_running(frame: types.FrameType) -> bool:
-    current: types.FrameType | None = sys._getframe()
-    while current is not None:
-        if current is frame:
-            return True
-        current = current.f_back
-    return False
 
 
 def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
