@@ -118,6 +118,24 @@ def instance_attributes(obj: Any) -> dict:
     return d if type(d) is dict else {}
 
 
+def attribute_reader(cls: type, name: str) -> Callable[[Any], Any] | None:
+    """A reader of ``.name`` on instances of ``cls`` that runs no code (a slot's descriptor, or the
+    instance's own value past any ``__getattr__``), or None where reading it could run code."""
+    try:
+        mro = type_mro(cls)
+    except Exception:
+        return None
+    for klass in mro:
+        found = type_dict(klass).get(name, MISSING)
+        if found is not MISSING:
+            if type(found) is types.MemberDescriptorType:
+                return lambda obj: found.__get__(obj, cls)
+            return None
+    if not plain_dict_slot(cls):
+        return None
+    return lambda obj: object.__getattribute__(obj, name)
+
+
 def read_attribute(obj: Any, name: Any) -> Any:
     """``obj.name`` read without running code: a slot's member descriptor, or the instance's own value."""
     if type(name) is not str:
