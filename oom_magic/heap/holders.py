@@ -237,18 +237,48 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
         paths = {key: namer.steps(tid) for key, tid in walk.found.items()}
         # Keys shown by their own path (opt.state[model.fc.weight]): their parents in one more pass.
         namer.prepare({step[1] for _, steps in paths.values() for step in steps if step[0] == "keypath"})
+        views: dict[int, dict[int, list[int]]] = {}  # id(list) -> storage -> [first index, views]
         for key, (root, steps) in paths.items():
             if root is None:
                 continue
+            shared = _shared_views(namer, walk.found[key], key, live, views) if steps and steps[-1][0] == "index" else None
+            if shared is not None:  # one storage viewed from many items of one list: named once, as shared
+                steps = steps[:-1] + (("index", shared[0]),)
             text = render(root, steps, key_text)
+            if shared is not None:
+                text += f" (first of {shared[1]:,} views)"
             hint = _hint(root, steps)
             holders[key] = Holder(root.kind, text, root.name, hint)
-            if root.kind == USER:
+            if root.kind == USER and shared is None:  # a count of views could change unseen: not remembered
                 steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
                 _remember(key, root.name, steps, text, hint)
     finally:
         namer.clear()
     return holders
+
+
+def _shared_views(namer: Namer, tensor_id: int, key: int, live: LiveTensors | None,
+                  views: dict[int, dict[int, list[int]]]) -> tuple[int, int] | None:
+    """(first index, how many items) where several items of the list or tuple holding this tensor
+    view its storage; None where it is the only one. Each list is read once per scan."""
+    container = namer.parent_of.get(tensor_id)
+    if live is None or not (type(container) is list or type(container) is tuple):
+        return None
+    by_storage = views.get(id(container))
+    if by_storage is None:
+        by_storage = views[id(container)] = {}
+        storage_of = live.storage_of
+        for at, item in enumerate(container):
+            found = storage_of.get(id(item))
+            if found is not None:
+                entry = by_storage.get(found)
+                if entry is None:
+                    by_storage[found] = [at, 1]
+                else:
+                    entry[1] += 1
+        item = None
+    entry = by_storage.get(key)
+    return (entry[0], entry[1]) if entry is not None and entry[1] > 1 else None
 
 
 def _key_at(namer: Namer, step: tuple) -> tuple:

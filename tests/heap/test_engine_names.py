@@ -245,3 +245,34 @@ def test_gpumem_tells_how_to_free_an_lru_cache(ip):
     assert snap.held_by("embed.cache") == 300 * 1000 * 4
     assert "to free what embed's cache holds: embed.cache_clear()" in snap.notes
     assert "embed.cache_clear()" in str(snap)
+
+
+def test_frozenset_and_tuple_keys_of_builtin_types_are_shown_by_value(ip):
+    """A dict keyed by frozensets of strings names each entry by its key (bounded), through %gpumem."""
+    ip.run_cell("import torch\n"
+                "pair_emb = {frozenset({f'v{i}', 'alpha'}): torch.ones(2 + i) for i in range(50)}\n"
+                "spans = {(3, 'x', None): torch.ones(70)}\n"
+                "long_key = {tuple(f'token{i}' for i in range(12)): torch.ones(71)}\n"
+                "class K:\n    pass\n"
+                "odd = {(K(), 1): torch.ones(72)}", store_history=True)
+    forget_paths()
+    for _ in range(2):
+        snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+        user = {r.holder_path: r.bytes for r in snap.storages if r.holder_kind == "user"}
+        key = next(k for k in ip.user_ns["pair_emb"] if "v7" in k)
+        assert user[f"pair_emb[{key!r}]"] == 9 * 4
+        assert user["spans[(3, 'x', None)]"] == 280
+        (long_path,) = [p for p in user if p.startswith("long_key[")]
+        assert long_path.endswith("...]") and len(long_path) <= len("long_key[]") + 80
+        assert user["odd[<tuple key>]"] == 288  # a user type inside: never its repr
+
+
+def test_views_of_one_storage_in_a_list_are_named_once_as_shared(ip):
+    """kv's views of one buffer: the first index and how many views, not an arbitrary view's index."""
+    ip.run_cell("import torch\nbuf = torch.zeros(40, 8)\n"
+                "kv = {'layers.0.value': [torch.ones(3)] + list(buf.unbind(0))}\ndel buf", store_history=True)
+    forget_paths()
+    for _ in range(2):
+        snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+        user = {r.holder_path: r.bytes for r in snap.storages if r.holder_kind == "user"}
+        assert user == {"kv['layers.0.value'][0]": 12, "kv['layers.0.value'][1] (first of 40 views)": 40 * 8 * 4}
