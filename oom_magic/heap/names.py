@@ -19,10 +19,15 @@ from .reads import (MISSING, array_items, attribute_reader, deque_iter, deque_ty
                          instance_dict_if_present, is_plain_key, mapping_items, mro_has, plain_dict_slot, qualname,
                          read_attribute, type_mro, type_name)
 
+# A suspended generator's (coroutine's) frame, read through its type's own getter.
+_GEN_FRAME = {types.GeneratorType: "gi_frame", types.CoroutineType: "cr_frame", types.AsyncGeneratorType: "ag_frame"}
+_GEN_FRAME_OF = {cls: cls.__dict__[name].__get__ for cls, name in _GEN_FRAME.items()}
 # Paths longer than this many steps are shown with their middle elided.
 MAX_SHOWN_STEPS = 64
 # How many links at each end of a long path are read (8 visible steps are shown of each).
 _ENDS = 24
+# A long path's depth and runs are memoised every this many links (a climb stops at the nearest).
+_MEMO_EVERY = 64
 _MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
 
 
@@ -137,8 +142,9 @@ class Namer:
             depth += 1
             if depth == _ENDS:
                 anchor = child
-            memo[child] = (depth, anchor, root)
-        return memo[obj_id]
+            if depth % _MEMO_EVERY == 0:  # sparse: memory stays a fraction of the walk's own
+                memo[child] = (depth, anchor, root)
+        return depth, anchor, root
 
     def _climb(self, obj_id: int, links: int) -> list[int]:
         """The ids of the last ``links`` objects on the way down to ``obj_id`` (it included), root side first."""
@@ -182,7 +188,8 @@ class Namer:
             node = id(up)
         for child in reversed(climbed):
             length += 1
-            runs[child] = (name, length)
+            if length % _MEMO_EVERY == 0:
+                runs[child] = (name, length)
         return length
 
     def _link(self, parent: Any, child_id: int) -> list[Step]:
@@ -199,7 +206,8 @@ class Namer:
             return known
         shape = "inst"
         exact = {types.FunctionType: "func", types.FrameType: "frame", types.TracebackType: "tb",
-                 types.CellType: "cell"}
+                 types.CellType: "cell", types.GeneratorType: "gen", types.CoroutineType: "gen",
+                 types.AsyncGeneratorType: "gen"}
         for t, name in exact.items():
             if cls is t:
                 shape = name
@@ -257,6 +265,14 @@ class Namer:
             local = parent.f_locals
             names = self._reverse_map(parent, local, child_id) if type(local) is dict else {}
             return [("local", parent.f_code.co_name, names.get(child_id, "?"))]
+        if shape == "gen":  # a suspended generator holds its frame's locals: name the local
+            attr = _GEN_FRAME[type(parent)]
+            frame = _GEN_FRAME_OF[type(parent)](parent)
+            local = frame.f_locals if frame is not None else None
+            names = self._reverse_map(parent, local, child_id) if type(local) is dict else {}
+            if child_id in names and type(names[child_id]) is str:
+                return [("genlocal", attr, names[child_id])]
+            return [("via", qualname(cls))]
         if shape == "tb":
             return [("tb",)]
         if shape == "cell":
@@ -433,7 +449,8 @@ def _assigned_names(cls: type) -> list[str]:
 # How the other steps read, the step's fields filling the blanks ({1} is step[1]).
 _STEP_TEXT = {"keytype": "[<{1} key>]", "iskey": ".keys()[<{1}>]", "index": "[{1}]", "member": "{{#{1}}}",
               "closure": "[{1}]", "cell": ".cell_contents", "tb": "", "local": " → frame {1} → local {2}",
-              "cache": ".cache[…]", "via": "→{1}", "elide": " …{1:,} more… ", "run": "(.{1} ×{2:,})"}
+              "cache": ".cache[…]", "via": "→{1}", "elide": " …{1:,} more… ", "run": "(.{1} ×{2:,})",
+              "genlocal": ".{1}.f_locals[{2!r}]"}
 
 
 # -- showing and re-reading steps -----------------------------------------------------------------
