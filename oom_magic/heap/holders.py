@@ -18,18 +18,19 @@ import time
 import types
 from dataclasses import dataclass
 from typing import Any
+from collections.abc import Iterable
 
 from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
 from .walk import Root, Walk
 from .names import Namer, render
-from .reads import MISSING, instance_attributes, plain_dict_slot, qualname
+from .reads import MISSING, instance_attributes, mro_has, plain_dict_slot, qualname
 from .resolve import resolve
 from .garbage import forget_garbage, garbage_storages, still_garbage
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
-           "attribute", "attribute_reachable", "forget_paths"]
+           "attribute", "attribute_reachable", "forget_paths", "recheck_remembered"]
 
 
 def _root_kinds(roots: Roots) -> tuple[tuple[HolderKind, tuple[tuple[str, object], ...]], ...]:
@@ -216,6 +217,42 @@ def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
             if obj is not MISSING and storage_of.get(id(obj)) == key:
                 holders[key] = Holder(USER, text, name, hint)
             del obj
+    finally:
+        listed.clear()
+        variables.clear()
+    return holders
+
+
+def recheck_remembered(keys: Iterable[int], roots: Roots, torch: Any) -> dict[int, Holder] | None:
+    """Holders for these storages by their remembered user paths alone, each re-read now and
+    checked to reach a tensor of that same storage; None unless every one does (then a heap pass
+    is needed). No heap pass: what it costs is the paths' length, not the heap's size."""
+    variables: dict[str, Any] = {}
+    for name, obj in roots.user:
+        variables.setdefault(name, obj)
+    base = getattr(getattr(torch, "_C", None), "TensorBase", None)
+    address = getattr(getattr(torch, "_C", None), "_storage_address", None)
+    disable = getattr(getattr(torch, "_C", None), "DisableTorchFunctionSubclass", None)
+    if base is None or address is None or disable is None:
+        return None
+    holders: dict[int, Holder] = {}
+    listed: dict[Any, Any] = {}
+    try:
+        with disable():
+            for key in keys:
+                known = _REMEMBERED.get(key)
+                if known is None or known[0] not in variables:
+                    return None
+                name, steps, text, hint = known
+                try:
+                    obj = resolve(variables[name], steps, listed, variables)
+                    if obj is MISSING or not mro_has(type(obj), base) or address(obj) != key:
+                        return None
+                except Exception:
+                    return None
+                finally:
+                    obj = None
+                holders[key] = Holder(USER, text, name, hint)
     finally:
         listed.clear()
         variables.clear()
