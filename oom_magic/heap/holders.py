@@ -28,6 +28,7 @@ from .names import Namer, render
 from .reads import MISSING, instance_attributes, mro_has, plain_dict_slot, qualname
 from .resolve import resolve
 from .garbage import forget_garbage, garbage_storages, still_garbage
+from .library import forget_library_chains, remember_chain, still_library_held
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
            "attribute", "attribute_reachable", "forget_paths", "recheck_remembered"]
@@ -86,6 +87,7 @@ def forget_paths() -> None:
     """Drop every remembered path and the garbage found (the next scan walks and searches from scratch)."""
     _REMEMBERED.clear()
     forget_garbage()
+    forget_library_chains()
 
 
 @pins_nothing
@@ -105,6 +107,9 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if find_garbage:  # garbage is unreachable from every root: no walk needs to look for it
         for key in still_garbage(live, holders):
             holders[key] = Holder(GARBAGE, "unreachable reference cycle", "gc")
+    if trace_other:  # held alone by a library's module or class, as last time: no walk reaches it
+        for key, text in still_library_held(live, holders).items():
+            holders[key] = Holder(OTHER, text, "referrers")
     wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
     skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
@@ -436,16 +441,25 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
         if time.perf_counter() > deadline:
             break
         try:
-            chains[key] = _chain(by_key[key], ours, hops)
+            text, top, below = _chain(by_key[key], ours, hops)
+            chains[key] = text
+            if top is not None:
+                remember_chain(key, top, below, text)
+            top = None
+            below.clear()
         except Exception:  # a hostile holder on the way: say so rather than fail the snapshot
             chains[key] = "<held by an object that could not be inspected>"
     return chains
 
 
-def _chain(target: Any, ours: set[int], hops: int) -> str:
-    """The Python path from the nearest module global (or outermost holder) down to ``target``."""
+def _chain(target: Any, ours: set[int], hops: int) -> tuple[str, Any, list[Any]]:
+    """The Python path from the nearest module global (or outermost holder) down to ``target``;
+    and the chain's top with the objects below it (the target last), None where it has no top."""
     segments: list[str] = []  # innermost first: how each holder reaches the next target
+    climbed: list[Any] = [target]  # innermost first
+    ours.add(id(climbed))  # it refers to the holders too: never one of them
     base = "<held outside Python (C++ or an untracked object)>"
+    top: Any = None
     for _ in range(hops):
         referrers = [r for r in gc.get_referrers(target)
                      if id(r) not in ours and type(r) is not types.FrameType]
@@ -455,13 +469,20 @@ def _chain(target: Any, ours: set[int], hops: int) -> str:
         ours.add(id(referrers))
         if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
             base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
+            module = sys.modules.get(holder["__name__"]) if type(holder["__name__"]) is str else None
+            if module is not None and getattr(module, "__dict__", None) is holder:
+                top = module
+                climbed.append(holder)
             break
         segments.append(_segment(holder, target))
         base = f"<{qualname(type(holder))}>"
         target = holder
+        climbed.append(holder)
     else:
         base = f"…<{qualname(type(target))}>"  # more hops than we follow
-    return base + "".join(reversed(segments))
+        top = climbed.pop()
+    below = climbed[::-1] if top is not None else []
+    return base + "".join(reversed(segments)), top, below
 
 
 _SHOWN_KEYS = (str, int, float, bool, bytes, type(None))
