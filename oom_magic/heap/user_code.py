@@ -17,8 +17,9 @@ from typing import Any
 from .reads import module_dict, mro_has, type_dict
 
 _OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# name -> (id of the module object, whether it is the user's): a module's file never changes.
-_VERDICTS: dict[str, tuple[int, bool]] = {}
+# name -> (id of the module object, whether it is the user's, the folder it was judged against):
+# a module's file never changes, so each is judged once per folder.
+_VERDICTS: dict[str, tuple[int, bool, str]] = {}
 
 
 def _is_dunder(name: object) -> bool:
@@ -39,12 +40,13 @@ def user_module_names(folder: str | None = None) -> dict[int, str]:
         return {}
     libraries = _library_dirs()
     found: dict[int, str] = {}
+    verdicts = _VERDICTS
     for name, module in list(dict.items(sys.modules)):
-        if type(name) is not str or name == "__main__" or not mro_has(type(module), types.ModuleType):
-            continue
-        known = _VERDICTS.get(name)
-        if known is None or known[0] != id(module):
-            known = _VERDICTS[name] = (id(module), _is_user_file(module, base, libraries))
+        known = verdicts.get(name) if type(name) is str else None
+        if known is None or known[0] != id(module) or known[2] != base:
+            if type(name) is not str or name == "__main__" or not mro_has(type(module), types.ModuleType):
+                continue
+            known = verdicts[name] = (id(module), _is_user_file(module, base, libraries), base)
         if known[1]:
             found[id(module)] = name
     return found
