@@ -29,7 +29,8 @@ ROOT = HERE.parent
 # (shape, tensors): the 1k-tensor heaps for every shape, 100k tensors for a few.
 PLAN = tuple((shape, 1_000) for shape in
              ("slots", "attrs", "dataclass", "namedtuple", "nested_dicts", "tree", "sets", "deque", "numpy",
-              "pandas", "model_adamw", "kv_cache", "module_list")) + \
+              "pandas", "model_adamw", "kv_cache", "module_list", "class_attrs", "user_module", "garbage",
+              "linked_list", "researcher", "finetuner", "data_scientist")) + (("garbage", 200),) + \
        tuple((shape, 100_000) for shape in ("slots", "nested_dicts", "kv_cache"))
 
 
@@ -58,6 +59,9 @@ def measure(shape: str, tensors: int, repeat: int = 3) -> dict[str, Any]:
     build = time.perf_counter() - started
     gc.collect()
     gc.disable()
+    late = namespace.pop("__late__", None)
+    if late is not None:  # what the collection above must not free (the garbage shape)
+        spot_path, spot = late()
     objects = len(gc.get_objects())
     spot_key = torch._C._storage_address(spot)
     del spot
@@ -171,10 +175,55 @@ def markdown(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+# Issue 24's goals, as (steady, first) ratios to the floor: every shape at 1k tensors, 100k apart;
+# the linked list's goal is one figure for a scan.
+GOALS = {1_000: (5.0, 10.0), 100_000: (15.0, 40.0)}
+SHAPE_GOALS = {"linked_list": (10.0, 10.0)}
+HOOK_BUDGET_MS = 50  # OomMagics.hook_budget_ms's default: what the quick view is given
+
+
+def _goal(row: dict[str, Any]) -> tuple[float, float]:
+    return SHAPE_GOALS.get(row["shape"], GOALS.get(row["tensors"], GOALS[1_000]))
+
+
+def shapes_markdown(result: dict[str, Any], machine: str = "") -> str:
+    """benchmarks/SHAPES.md: a row per heap shape, measured in one run, ratios to the floor, goals met or not."""
+    header = ["heap shape", "tensors", "gc objects", "floor", "steady × floor", "first × floor", "goal (steady / first)",
+              "met", "memlab × floor", "naive × floor", "hook (quick view)", "name (first / steady)"]
+    lines = ["# The heap engine on every heap shape", "",
+             "Written by `make bench` (`benchmarks/run.py`, or `python benchmarks/bench_shapes.py --write`): one",
+             "process per heap, every contender timed side by side in it, so the ratios (not the seconds) are",
+             "what compares. The floor is `gc.get_objects()`; *first* is the first `snapshot()` of the process",
+             "(a walk, nothing remembered), *steady* the best of the later ones with the data unchanged; memlab",
+             "is pytorch_memlab's `MemReporter().report()`. The hook is the after-cell quick view given",
+             f"{HOOK_BUDGET_MS} ms (`hook_budget_ms`); its time includes reading the device and naming.", ""]
+    if machine:
+        lines += [machine, ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in result.get("rows", []):
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['tensors']:,} | " + " | " * 9 + f"error: {row['error']} |")
+            continue
+        x = row["x_floor"]
+        steady_goal, first_goal = _goal(row)
+        met = "✓" if x["steady"] <= steady_goal and x["cold"] <= first_goal else (
+            "steady ✓, first ✗" if x["steady"] <= steady_goal else "✗")
+        named = "✓" if row["cold_name"] == row["spot"] == row["steady_name"] else \
+            f"✗ `{row['cold_name']}` / `{row['steady_name']}`"
+        memlab = (format(x["memlab"], ".1f") + "×") if "memlab" in x else "n/a"
+        lines.append(f"| {row['shape']} | {row['tensors']:,} | {row['objects']:,} | {row['floor_ms']:.0f} ms | "
+                     f"{x['steady']:.1f}× | {x['cold']:.1f}× | ≤ {steady_goal:g}× / ≤ {first_goal:g}× | {met} | "
+                     f"{memlab} | {x['naive']:.1f}× | {row['hook_ms']:.0f} ms | {named} `{row['spot']}` |")
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        plan = tuple((a.split(":")[0], int(a.split(":")[1]) if ":" in a else 1_000) for a in sys.argv[1:])
+    args = [a for a in sys.argv[1:] if a != "--write"]
+    if args:
+        plan = tuple((a.split(":")[0], int(a.split(":")[1]) if ":" in a else 1_000) for a in args)
     else:
         plan = PLAN
     result = run(plan)
     print("\n".join(markdown(result)))
+    if "--write" in sys.argv:
+        (HERE / "SHAPES.md").write_text(shapes_markdown(result))

@@ -227,7 +227,30 @@ if __name__ == "__main__":
 # the path a user would type to one tensor and the tensor itself, so the benchmark checks its name.
 SHAPE_OBJECTS = 800_000
 SHAPES = ("slots", "attrs", "dataclass", "namedtuple", "nested_dicts", "tree", "sets", "deque", "numpy",
-          "pandas", "model_adamw", "kv_cache", "module_list")
+          "pandas", "model_adamw", "kv_cache", "module_list",
+          # issue 24: holders outside the variables, deep chains, and whole notebooks of three users
+          "class_attrs", "user_module", "garbage", "linked_list", "researcher", "finetuner", "data_scientist")
+# Where the user-module shape writes its module: a folder inside the repository (the notebook's
+# folder, as the benchmark runs from the repository root), under test-output/ (never tracked).
+USER_MODULE_DIR = "test-output/bench-user-module"
+
+
+class Cfg:
+    """A user's configuration class that caches tensors as class attributes."""
+
+    table: list[Any] = []
+
+
+class ListNode:
+    """One node of a user's singly linked list."""
+
+    def __init__(self, value: Any, following: ListNode | None) -> None:
+        self.value = value
+        self.next = following
+
+
+class Orphan:
+    """A node of a reference cycle nothing reaches (what a deleted model's closure leaves)."""
 
 
 class Token:
@@ -389,4 +412,104 @@ def _shape_data(shape: str, tensors: int, namespace: dict, objects: int) -> tupl
             namespace["blocks"] = blocks = [torch.nn.Linear(4, 4) for _ in range(tensors // 2)]
             spot = (f"blocks[{len(blocks) // 2}].weight", blocks[len(blocks) // 2].weight)
         return spot
+    if shape == "class_attrs":
+        Cfg.table = [torch.ones(4) for _ in range(tensors)]
+        namespace["Cfg"] = Cfg
+        return f"Cfg.table[{tensors // 2}]", Cfg.table[tensors // 2]
+    if shape == "user_module":
+        import importlib
+        import os
+
+        os.makedirs(USER_MODULE_DIR, exist_ok=True)
+        with open(os.path.join(USER_MODULE_DIR, "mymod.py"), "w") as f:
+            f.write("CACHE = []\n")
+        sys.path.insert(0, os.path.abspath(USER_MODULE_DIR))
+        mymod = importlib.import_module("mymod")
+        mymod.CACHE.extend(torch.ones(4) for _ in range(tensors))
+        namespace["mymod"] = mymod
+        return f"mymod.CACHE[{tensors // 2}]", mymod.CACHE[tensors // 2]
+    if shape == "garbage":
+        # Orphaned after the benchmark's own collection (``late``): cycles a cell left behind.
+        def late() -> tuple[str, Any]:
+            spot = None
+            for i in range(tensors):
+                node = Orphan()
+                node.self = node
+                node.state = {"hidden": torch.ones(4)}
+                if i == tensors // 2:
+                    spot = node.state["hidden"]
+            return "unreachable reference cycle", spot
+
+        namespace["__late__"] = late
+        return "unreachable reference cycle", None
+    if shape == "linked_list":
+        n = 200_000
+        every = n // min(tensors, 500)
+        head = None
+        for i in range(n - 1, -1, -1):
+            head = ListNode(torch.ones(4) if i % every == 0 else i, head)
+        namespace["head"] = head
+        k, node = n - every, head
+        for _ in range(k):
+            node = node.next
+        return f"head(.next ×{k:,}).value", node.value
+    if shape == "researcher":
+        return _researcher(torch, tensors, namespace)
+    if shape == "finetuner":
+        return _finetuner(torch, tensors, namespace)
+    if shape == "data_scientist":
+        return _data_scientist(torch, tensors, namespace)
     raise ValueError(f"unknown heap shape {shape!r}")
+
+
+def _researcher(torch: Any, tensors: int, namespace: dict) -> tuple[str, Any]:
+    """A researcher's notebook: a model, activations hooked per layer into a dict of lists, attention
+    maps kept per prompt, a results table of dicts, a few experiment globals."""
+    model = _llama_model(8)
+    acts: dict[str, list[Any]] = {f"model.layers.{i}": [] for i in range(8)}
+    per_layer = max((tensors - 100) // 16, 1)
+    for i in range(8):
+        acts[f"model.layers.{i}"].extend(torch.ones(2, 16) for _ in range(per_layer))
+    attn = {f"prompt {p}": [torch.ones(2, 4, 4) for _ in range(8)] for p in range(per_layer // 8 + 1)}
+    results = [{"prompt": f"prompt {p}", "layer": p % 8, "score": p / 7, "tokens": list(range(p % 13))}
+               for p in range(50_000)]
+    namespace.update(model=model, acts=acts, attn=attn, results=results, seed=0)
+    return "acts['model.layers.5'][3]", acts["model.layers.5"][3]
+
+
+def _finetuner(torch: Any, tensors: int, namespace: dict) -> tuple[str, Any]:
+    """A fine-tuner's notebook: a model with LoRA adapters, AdamW over the adapters, a DataLoader,
+    the last batch, a loss history of floats, and the best checkpoint's state dict."""
+    import peft
+
+    base = _llama_model(max(tensors // 40, 2))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, config)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    batch = {"input_ids": torch.ones(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long)}
+    model(**batch).loss.backward()
+    opt.step()
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader([{"input_ids": torch.arange(8)} for _ in range(64)], batch_size=8)
+    best = {k: v.clone() for k, v in model.state_dict().items() if "lora" in k}
+    history = [float(i) / 3 for i in range(20_000)]
+    namespace.update(model=model, opt=opt, batch=batch, loader=loader, best=best, history=history)
+    key = next(k for k in best if "layers.1." in k and "lora_A" in k)
+    return f"best[{key!r}]", best[key]
+
+
+def _data_scientist(torch: Any, tensors: int, namespace: dict) -> tuple[str, Any]:
+    """A data scientist's notebook: a DataFrame with an embedding column, a dict of per-split
+    feature matrices, a small MLP, and lists of metrics per fold."""
+    import pandas as pd
+
+    n = 60_000
+    every = max(n // max(tensors - 10, 1), 1)
+    df = pd.DataFrame({"id": range(n), "text": [f"row {i}" for i in range(n)],
+                       "emb": [torch.ones(4) if i % every == 0 else None for i in range(n)]})
+    features = {"train": torch.ones(100, 8), "valid": torch.ones(20, 8), "test": torch.ones(20, 8)}
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    folds = [{"fold": f, "auc": 0.5 + f / 100, "preds": list(range(1000))} for f in range(5)]
+    namespace.update(df=df, features=features, mlp=mlp, folds=folds)
+    return "features['valid']", features["valid"]

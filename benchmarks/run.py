@@ -678,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
         if before_dir:
             shutil.rmtree(before_dir, ignore_errors=True)
     steps: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        # Every heap shape of issue 12 (one process each), 1k tensors, and 100k for three of them.
+        # Every heap shape of issues 12 and 24 (one process each), 1k tensors, and 100k for three of them;
+        # benchmarks/SHAPES.md is written from these rows.
         ("shapes", lambda: _in_process("bench_shapes", kwargs={"plan": (("slots", 1_000), ("kv_cache", 1_000))}
                                        if args.quick else {}, timeout=900)),
         ("hook", lambda: _in_process("bench_hook", kwargs={"cells": 300, "rounds": 3} if args.quick else {})),
@@ -714,6 +715,12 @@ def main(argv: list[str] | None = None) -> int:
         import bench_jobs
 
         (HERE / "JOBS.md").write_text(bench_jobs.markdown(results["jobs"]))
+    if "shapes" in results and "rows" in results["shapes"]:
+        import bench_shapes
+
+        m = results["machine"]
+        (HERE / "SHAPES.md").write_text(bench_shapes.shapes_markdown(
+            results["shapes"], f"Machine: {m['cpu_model']}, {m['logical_cores']} cores, Python {m['python']}."))
     (HERE / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (HERE / "RESULTS.md").write_text(results_markdown(results, elapsed))
     log(f"\nwrote benchmarks/RESULTS.md, benchmarks/scaling.png, benchmarks/results.json in {elapsed / 60:.1f} min")

@@ -18,17 +18,20 @@ import time
 import types
 from dataclasses import dataclass
 from typing import Any
+from collections.abc import Iterable
 
 from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
 from .walk import Root, Walk
 from .names import Namer, render
-from .reads import MISSING, instance_attributes, plain_dict_slot, qualname
+from .reads import MISSING, instance_attributes, mro_has, plain_dict_slot, qualname
 from .resolve import resolve
+from .garbage import forget_garbage, garbage_storages, still_garbage
+from .library import forget_library_chains, remember_chain, still_library_held
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
-           "attribute", "attribute_reachable", "forget_paths"]
+           "attribute", "attribute_reachable", "forget_paths", "recheck_remembered"]
 
 
 def _root_kinds(roots: Roots) -> tuple[tuple[HolderKind, tuple[tuple[str, object], ...]], ...]:
@@ -65,7 +68,7 @@ class Attribution:
 _REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
 _REMEMBER_LIMIT = 1_000_000
 # Steps that resolve() can re-read; a path with any other step is walked again each time.
-_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad"})
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad", "run"})
 
 
 def instance_dict(obj: object) -> dict:
@@ -81,8 +84,10 @@ _plain_dict_slot = plain_dict_slot
 
 
 def forget_paths() -> None:
-    """Drop every remembered path (the next scan walks from scratch)."""
+    """Drop every remembered path and the garbage found (the next scan walks and searches from scratch)."""
     _REMEMBERED.clear()
+    forget_garbage()
+    forget_library_chains()
 
 
 @pins_nothing
@@ -99,6 +104,12 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
                budget_nodes: int, budget_seconds: float, find_garbage: bool, trace_other: bool) -> Attribution:
     deadline = time.perf_counter() + budget_seconds
     holders = _remembered_holders(live, roots)
+    if find_garbage:  # garbage is unreachable from every root: no walk needs to look for it
+        for key in still_garbage(live, holders):
+            holders[key] = Holder(GARBAGE, "unreachable reference cycle", "gc")
+    if trace_other:  # held alone by a library's module or class, as last time: no walk reaches it
+        for key, text in still_library_held(live, holders).items():
+            holders[key] = Holder(OTHER, text, "referrers")
     wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
     skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
@@ -124,11 +135,13 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
         nodes = walk.nodes
     finally:
         walk.release()
-    if any(h.kind in STALE_KINDS for h in holders.values()) and not user_exhausted:
+    # Which stale roots a variable reaches matters only where the output cache or a traceback holds
+    # something: garbage is unreachable by definition.
+    if stale_objects and not user_exhausted and any(h.kind in (OUTPUT_CACHE, TRACEBACK) for h in holders.values()):
         user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
     unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and find_garbage:
-        for key in _garbage_storages(live, unclaimed):
+        for key in garbage_storages(live, unclaimed):
             holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
         unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     if unclaimed and trace_other:
@@ -215,6 +228,42 @@ def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
     return holders
 
 
+def recheck_remembered(keys: Iterable[int], roots: Roots, torch: Any) -> dict[int, Holder] | None:
+    """Holders for these storages by their remembered user paths alone, each re-read now and
+    checked to reach a tensor of that same storage; None unless every one does (then a heap pass
+    is needed). No heap pass: what it costs is the paths' length, not the heap's size."""
+    variables: dict[str, Any] = {}
+    for name, obj in roots.user:
+        variables.setdefault(name, obj)
+    base = getattr(getattr(torch, "_C", None), "TensorBase", None)
+    address = getattr(getattr(torch, "_C", None), "_storage_address", None)
+    disable = getattr(getattr(torch, "_C", None), "DisableTorchFunctionSubclass", None)
+    if base is None or address is None or disable is None:
+        return None
+    holders: dict[int, Holder] = {}
+    listed: dict[Any, Any] = {}
+    try:
+        with disable():
+            for key in keys:
+                known = _REMEMBERED.get(key)
+                if known is None or known[0] not in variables:
+                    return None
+                name, steps, text, hint = known
+                try:
+                    obj = resolve(variables[name], steps, listed, variables)
+                    if obj is MISSING or not mro_has(type(obj), base) or address(obj) != key:
+                        return None
+                except Exception:
+                    return None
+                finally:
+                    obj = None
+                holders[key] = Holder(USER, text, name, hint)
+    finally:
+        listed.clear()
+        variables.clear()
+    return holders
+
+
 def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, Holder]:
     """Path text for each storage the walk reached (its first tensor's path), remembered for next time."""
     namer = Namer(walk, getattr(getattr(torch, "nn", None), "Module", None))
@@ -230,18 +279,48 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
         paths = {key: namer.steps(tid) for key, tid in walk.found.items()}
         # Keys shown by their own path (opt.state[model.fc.weight]): their parents in one more pass.
         namer.prepare({step[1] for _, steps in paths.values() for step in steps if step[0] == "keypath"})
+        views: dict[int, dict[int, list[int]]] = {}  # id(list) -> storage -> [first index, views]
         for key, (root, steps) in paths.items():
             if root is None:
                 continue
+            shared = _shared_views(namer, walk.found[key], key, live, views) if steps and steps[-1][0] == "index" else None
+            if shared is not None:  # one storage viewed from many items of one list: named once, as shared
+                steps = steps[:-1] + (("index", shared[0]),)
             text = render(root, steps, key_text)
+            if shared is not None:
+                text += f" (first of {shared[1]:,} views)"
             hint = _hint(root, steps)
             holders[key] = Holder(root.kind, text, root.name, hint)
-            if root.kind == USER:
+            if root.kind == USER and shared is None:  # a count of views could change unseen: not remembered
                 steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
                 _remember(key, root.name, steps, text, hint)
     finally:
         namer.clear()
     return holders
+
+
+def _shared_views(namer: Namer, tensor_id: int, key: int, live: LiveTensors | None,
+                  views: dict[int, dict[int, list[int]]]) -> tuple[int, int] | None:
+    """(first index, how many items) where several items of the list or tuple holding this tensor
+    view its storage; None where it is the only one. Each list is read once per scan."""
+    container = namer.parent_of.get(tensor_id)
+    if live is None or not (type(container) is list or type(container) is tuple):
+        return None
+    by_storage = views.get(id(container))
+    if by_storage is None:
+        by_storage = views[id(container)] = {}
+        storage_of = live.storage_of
+        for at, item in enumerate(container):
+            found = storage_of.get(id(item))
+            if found is not None:
+                entry = by_storage.get(found)
+                if entry is None:
+                    by_storage[found] = [at, 1]
+                else:
+                    entry[1] += 1
+        item = None
+    entry = by_storage.get(key)
+    return (entry[0], entry[1]) if entry is not None and entry[1] > 1 else None
 
 
 def _key_at(namer: Namer, step: tuple) -> tuple:
@@ -348,95 +427,6 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         walk.release()
 
 
-def _garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
-                      budget_seconds: float = 2.0) -> set[int]:
-    """Storages whose tensors sit in unreachable reference cycles, found without collecting.
-
-    A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
-    runs the collector's own test on the tensors' ancestors: an object is reachable when
-    something outside the ancestor set refers to it (its refcount exceeds the references from
-    inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
-    objects count as reachable, so a tensor is never called garbage by mistake.
-    """
-    deadline = time.perf_counter() + budget_seconds
-    keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
-    # The ancestor list holds the only references we keep, so refcounts can be accounted exactly.
-    ancestors: list[Any] = list(unclaimed)
-    live.tensors[:] = [t for t in live.tensors if id(t) not in keys]
-    unclaimed.clear()
-    index = {id(o): i for i, o in enumerate(ancestors)}
-    external: set[int] = set()
-    frontier = list(ancestors)
-    while frontier:
-        if len(ancestors) > budget_objects or time.perf_counter() > deadline:
-            external.update(id(o) for o in frontier)
-            break
-        ignore = {id(ancestors), id(frontier), id(live.tensors), id(index)}
-        found = gc.get_referrers(*frontier)
-        ignore.add(id(found))
-        frontier = []
-        for referrer in found:
-            if id(referrer) in ignore or id(referrer) in index:
-                continue
-            index[id(referrer)] = len(ancestors)
-            ancestors.append(referrer)
-            if _is_root_like(referrer):
-                external.add(id(referrer))  # module globals, classes, running frames: always reachable
-            else:
-                frontier.append(referrer)
-        del found
-    referrer = None  # the loop variable would count as an outside reference
-    marked = _reachable_ancestors(ancestors, index, external)
-    garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
-    alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
-    live.tensors.extend(o for o in ancestors if id(o) in keys)
-    ancestors.clear()
-    # A storage is garbage only when every tensor viewing it is.
-    return garbage - alive
-
-
-def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
-    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
-    inside = [0] * len(ancestors)
-    for holder in ancestors:
-        for child in gc.get_referents(holder):
-            i = index.get(id(child))
-            if i is not None:
-                inside[i] += 1
-    holder = child = None  # loop variables would add to the refcounts read below
-    # getrefcount's own argument and the ancestors list are the two references we hold.
-    start = [i for i in range(len(ancestors))
-             if id(ancestors[i]) in external or sys.getrefcount(ancestors[i]) - 2 > inside[i]]
-    marked = set(start)
-    while start:
-        for child in gc.get_referents(ancestors[start.pop()]):
-            i = index.get(id(child))
-            if i is not None and i not in marked:
-                marked.add(i)
-                start.append(i)
-    return marked
-
-
-def _is_root_like(obj: Any) -> bool:
-    cls = type(obj)
-    if cls is types.ModuleType or issubclass(cls, type):
-        return True
-    if cls is dict and "__name__" in obj and "__builtins__" in obj:
-        return True  # a module's globals
-    if cls is types.FrameType:
-        return _is_running(obj)
-    return False
-
-
-def _is_running(frame: types.FrameType) -> bool:
-    current: types.FrameType | None = sys._getframe()
-    while current is not None:
-        if current is frame:
-            return True
-        current = current.f_back
-    return False
-
-
 def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
                      budget_seconds: float = 2.0) -> dict[int, str]:
     """A short chain of referrer types and keys for tensors nothing named holds."""
@@ -451,16 +441,25 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
         if time.perf_counter() > deadline:
             break
         try:
-            chains[key] = _chain(by_key[key], ours, hops)
+            text, top, below = _chain(by_key[key], ours, hops)
+            chains[key] = text
+            if top is not None:
+                remember_chain(key, top, below, text)
+            top = None
+            below.clear()
         except Exception:  # a hostile holder on the way: say so rather than fail the snapshot
             chains[key] = "<held by an object that could not be inspected>"
     return chains
 
 
-def _chain(target: Any, ours: set[int], hops: int) -> str:
-    """The Python path from the nearest module global (or outermost holder) down to ``target``."""
+def _chain(target: Any, ours: set[int], hops: int) -> tuple[str, Any, list[Any]]:
+    """The Python path from the nearest module global (or outermost holder) down to ``target``;
+    and the chain's top with the objects below it (the target last), None where it has no top."""
     segments: list[str] = []  # innermost first: how each holder reaches the next target
+    climbed: list[Any] = [target]  # innermost first
+    ours.add(id(climbed))  # it refers to the holders too: never one of them
     base = "<held outside Python (C++ or an untracked object)>"
+    top: Any = None
     for _ in range(hops):
         referrers = [r for r in gc.get_referrers(target)
                      if id(r) not in ours and type(r) is not types.FrameType]
@@ -470,13 +469,20 @@ def _chain(target: Any, ours: set[int], hops: int) -> str:
         ours.add(id(referrers))
         if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
             base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
+            module = sys.modules.get(holder["__name__"]) if type(holder["__name__"]) is str else None
+            if module is not None and getattr(module, "__dict__", None) is holder:
+                top = module
+                climbed.append(holder)
             break
         segments.append(_segment(holder, target))
         base = f"<{qualname(type(holder))}>"
         target = holder
+        climbed.append(holder)
     else:
         base = f"…<{qualname(type(target))}>"  # more hops than we follow
-    return base + "".join(reversed(segments))
+        top = climbed.pop()
+    below = climbed[::-1] if top is not None else []
+    return base + "".join(reversed(segments)), top, below
 
 
 _SHOWN_KEYS = (str, int, float, bool, bytes, type(None))

@@ -15,12 +15,19 @@ from typing import Any
 from collections.abc import Callable, Iterable
 
 from .walk import Root, Walk
-from .reads import (MISSING, array_items, deque_iter, deque_type, find_referent, instance_attributes,
+from .reads import (MISSING, array_items, attribute_reader, deque_iter, deque_type, find_referent, instance_attributes,
                          instance_dict_if_present, is_plain_key, mapping_items, mro_has, plain_dict_slot, qualname,
                          read_attribute, type_mro, type_name)
 
+# A suspended generator's (coroutine's) frame, read through its type's own getter.
+_GEN_FRAME = {types.GeneratorType: "gi_frame", types.CoroutineType: "cr_frame", types.AsyncGeneratorType: "ag_frame"}
+_GEN_FRAME_OF = {cls: cls.__dict__[name].__get__ for cls, name in _GEN_FRAME.items()}
 # Paths longer than this many steps are shown with their middle elided.
 MAX_SHOWN_STEPS = 64
+# How many links at each end of a long path are read (8 visible steps are shown of each).
+_ENDS = 24
+# A long path's depth and runs are memoised every this many links (a climb stops at the nearest).
+_MEMO_EVERY = 64
 _MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
 
 
@@ -49,37 +56,35 @@ class Namer:
         self._by_parent: dict[int, set[int]] = {}
         self._by_parent_size = -1
         self._candidates: dict[int, list[str]] = {}
+        self._depth: dict[int, tuple[int, int, Root]] = {}  # id -> (depth, anchor id, root)
+        self._runs: dict[int, tuple[str, int]] = {}  # id -> (attribute, links of it ending here)
+        self._readers: dict[tuple[int, str], Any] = {}  # (id(type), attribute) -> its reader
 
     def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
         """The root and the steps from it to the object with this id (None root: not reached).
 
         Each link is read once and kept per object (memory linear in the path's length), never a
-        whole path per level: a 200,000-node linked list costs 200,000 links, not their squares.
+        whole path per level. A path's depth is memoised per object on the way up, so naming 500
+        tensors along a 200,000-node linked list climbs the list once, not once per tensor; a long
+        path reads only its two ends and says how deep its middle is.
         """
-        chain_ids: list[int] = []
-        node = obj_id
         parent = self.parent_of
-        if node not in parent:
-            self.prepare((node,))
-        while True:
-            up = parent.get(node)
-            if up is None:
-                return None, ()
-            if type(up) is Root:
-                break
-            chain_ids.append(node)
-            node = id(up)
-        links = self._links
-        steps: list[Step] = []
-        forward = chain_ids[::-1]
+        if obj_id not in parent:
+            self.prepare((obj_id,))
+        found = self._depth_of(obj_id)
+        if found is None:
+            return None, ()
+        depth, anchor, root = found
 
         def link_of(child_id: int) -> tuple[Step, ...]:
-            link = links.get(child_id)
+            link = self._links.get(child_id)
             if link is None:
-                link = links[child_id] = tuple(self._link(parent[child_id], child_id))
+                link = self._links[child_id] = tuple(self._link(parent[child_id], child_id))
             return link
 
-        if len(forward) <= MAX_SHOWN_STEPS:
+        if depth <= MAX_SHOWN_STEPS:
+            forward = self._climb(obj_id, depth)
+            steps: list[Step] = []
             at = 0
             while at < len(forward):
                 column = self._pandas_column(forward, at)
@@ -89,20 +94,103 @@ class Namer:
                     continue
                 steps.extend(link_of(forward[at]))
                 at += 1
-            return up, tuple(steps)
-        # Only the ends are shown (8 visible steps each): the middle is never read.
+            return root, tuple(steps)
+        # Only the ends are shown (8 visible steps each): the middle is never read, only counted.
+        head_ids = self._climb(anchor, _ENDS)
+        tail_ids = self._climb(obj_id, _ENDS)
         head: list[Step] = []
-        at = 0
-        while at < len(forward) and sum(map(_visible, head)) < 8:
-            head.extend(link_of(forward[at]))
-            at += 1
+        used_head = 0
+        while used_head < len(head_ids) and sum(map(_visible, head)) < 8:
+            head.extend(link_of(head_ids[used_head]))
+            used_head += 1
         tail: list[Step] = []
-        end = len(forward)
-        while end > at and sum(map(_visible, tail)) < 8:
-            end -= 1
-            tail[:0] = link_of(forward[end])
-        steps = head + ([("elide",)] if end > at else []) + tail
-        return up, tuple(steps)
+        used_tail = 0
+        while used_tail < len(tail_ids) and sum(map(_visible, tail)) < 8:
+            used_tail += 1
+            tail[:0] = link_of(tail_ids[-used_tail])
+        hidden = depth - used_head - used_tail
+        last_hidden = tail_ids[-used_tail - 1] if used_tail < len(tail_ids) else None
+        same = link_of(last_hidden) if last_hidden is not None else ()
+        if (last_hidden is not None and len(same) == 1 and same[0][0] == "attr"
+                and self._run_length(last_hidden, same[0][1]) >= hidden):
+            # The middle repeats one attribute (a linked list's .next): one run with the ends' repeats.
+            while head and head[-1] == same[0]:
+                head.pop()
+                hidden += 1
+            while tail and tail[0] == same[0]:
+                tail.pop(0)
+                hidden += 1
+            return root, tuple(head + [("run", same[0][1], hidden)] + tail)
+        return root, tuple(head + [("elide", hidden)] + tail)
+
+    def _depth_of(self, obj_id: int) -> tuple[int, int, Root] | None:
+        """(links from the root, id of the ancestor _ENDS links down, the root), memoised on the way up."""
+        memo, parent = self._depth, self.parent_of
+        climbed: list[int] = []
+        node = obj_id
+        while node not in memo:
+            up = parent.get(node)
+            if up is None:
+                return None
+            if type(up) is Root:
+                memo[node] = (0, -1, up)
+                break
+            climbed.append(node)
+            node = id(up)
+        depth, anchor, root = memo[node]
+        for child in reversed(climbed):
+            depth += 1
+            if depth == _ENDS:
+                anchor = child
+            if depth % _MEMO_EVERY == 0:  # sparse: memory stays a fraction of the walk's own
+                memo[child] = (depth, anchor, root)
+        return depth, anchor, root
+
+    def _climb(self, obj_id: int, links: int) -> list[int]:
+        """The ids of the last ``links`` objects on the way down to ``obj_id`` (it included), root side first."""
+        parent = self.parent_of
+        ids: list[int] = []
+        node = obj_id
+        while len(ids) < links:
+            up = parent.get(node)
+            if up is None or type(up) is Root:
+                break
+            ids.append(node)
+            node = id(up)
+        ids.reverse()
+        return ids
+
+    def _run_length(self, obj_id: int, name: str) -> int:
+        """How many links up to ``obj_id`` are all ``.name`` (memoised: a list is climbed once)."""
+        runs, parent, readers = self._runs, self.parent_of, self._readers
+        climbed: list[int] = []
+        node = obj_id
+        length = 0
+        while True:
+            known = runs.get(node)
+            if known is not None and known[0] == name:
+                length = known[1]
+                break
+            up = parent.get(node)
+            if up is None or type(up) is Root:
+                break
+            cls = type(up)
+            reader = readers.get((id(cls), name), MISSING)
+            if reader is MISSING:
+                reader = readers[(id(cls), name)] = attribute_reader(cls, name)
+                self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
+            try:
+                if reader is None or id(reader(up)) != node:
+                    break
+            except AttributeError:
+                break
+            climbed.append(node)
+            node = id(up)
+        for child in reversed(climbed):
+            length += 1
+            if length % _MEMO_EVERY == 0:
+                runs[child] = (name, length)
+        return length
 
     def _link(self, parent: Any, child_id: int) -> list[Step]:
         """How ``parent`` refers to the object with id ``child_id``, read at C level."""
@@ -118,7 +206,8 @@ class Namer:
             return known
         shape = "inst"
         exact = {types.FunctionType: "func", types.FrameType: "frame", types.TracebackType: "tb",
-                 types.CellType: "cell"}
+                 types.CellType: "cell", types.GeneratorType: "gen", types.CoroutineType: "gen",
+                 types.AsyncGeneratorType: "gen"}
         for t, name in exact.items():
             if cls is t:
                 shape = name
@@ -176,6 +265,14 @@ class Namer:
             local = parent.f_locals
             names = self._reverse_map(parent, local, child_id) if type(local) is dict else {}
             return [("local", parent.f_code.co_name, names.get(child_id, "?"))]
+        if shape == "gen":  # a suspended generator holds its frame's locals: name the local
+            attr = _GEN_FRAME[type(parent)]
+            frame = _GEN_FRAME_OF[type(parent)](parent)
+            local = frame.f_locals if frame is not None else None
+            names = self._reverse_map(parent, local, child_id) if type(local) is dict else {}
+            if child_id in names and type(names[child_id]) is str:
+                return [("genlocal", attr, names[child_id])]
+            return [("via", qualname(cls))]
         if shape == "tb":
             return [("tb",)]
         if shape == "cell":
@@ -316,6 +413,9 @@ class Namer:
 
     def clear(self) -> None:
         self._links.clear()
+        self._depth.clear()
+        self._runs.clear()
+        self._readers.clear()
         self.parent_of.clear()
         self._reverse.clear()
         self._shapes.clear()
@@ -349,7 +449,8 @@ def _assigned_names(cls: type) -> list[str]:
 # How the other steps read, the step's fields filling the blanks ({1} is step[1]).
 _STEP_TEXT = {"keytype": "[<{1} key>]", "iskey": ".keys()[<{1}>]", "index": "[{1}]", "member": "{{#{1}}}",
               "closure": "[{1}]", "cell": ".cell_contents", "tb": "", "local": " → frame {1} → local {2}",
-              "cache": ".cache[…]", "via": "→{1}", "elide": " … "}
+              "cache": ".cache[…]", "via": "→{1}", "elide": " …{1:,} more… ", "run": "(.{1} ×{2:,})",
+              "genlocal": ".{1}.f_locals[{2!r}]"}
 
 
 # -- showing and re-reading steps -----------------------------------------------------------------

@@ -14,12 +14,23 @@ from collections.abc import Callable
 type_dict = type.__dict__["__dict__"].__get__
 type_mro = type.__dict__["__mro__"].__get__
 type_name = type.__dict__["__name__"].__get__
+module_dict = type_dict(types.ModuleType)["__dict__"].__get__  # a module's globals, past any __getattr__
 
 
-def is_plain_key(key: Any) -> bool:
-    """Whether a key is shown by value (str, int, float, bool, bytes, None): by identity of its type."""
+# A tuple or frozenset key is shown by value when it is this small and made of plain keys.
+_KEY_ITEMS = 16
+
+
+def is_plain_key(key: Any, nested: int = 0) -> bool:
+    """Whether a key is shown by value: str, int, float, bool, bytes, None, and small tuples and
+    frozensets of those (``frozenset({'v0', 'alpha'})``), all by the identity of their exact types,
+    so showing or hashing one runs no user code."""
     cls = type(key)
-    return cls is str or cls is int or cls is float or cls is bool or cls is bytes or key is None
+    if cls is str or cls is int or cls is float or cls is bool or cls is bytes or key is None:
+        return True
+    if (cls is tuple or cls is frozenset) and nested < 2 and len(key) <= _KEY_ITEMS:
+        return all(is_plain_key(item, nested + 1) for item in key)
+    return False
 
 
 def mro_has(cls: type, base: type) -> bool:
@@ -115,6 +126,24 @@ def instance_attributes(obj: Any) -> dict:
     except Exception:
         return {}
     return d if type(d) is dict else {}
+
+
+def attribute_reader(cls: type, name: str) -> Callable[[Any], Any] | None:
+    """A reader of ``.name`` on instances of ``cls`` that runs no code (a slot's descriptor, or the
+    instance's own value past any ``__getattr__``), or None where reading it could run code."""
+    try:
+        mro = type_mro(cls)
+    except Exception:
+        return None
+    for klass in mro:
+        found = type_dict(klass).get(name, MISSING)
+        if found is not MISSING:
+            if type(found) is types.MemberDescriptorType:
+                return lambda obj: found.__get__(obj, cls)
+            return None
+    if not plain_dict_slot(cls):
+        return None
+    return lambda obj: object.__getattribute__(obj, name)
 
 
 def read_attribute(obj: Any, name: Any) -> Any:

@@ -6,7 +6,7 @@ import types
 from typing import Any
 
 from .names import Step
-from .reads import MISSING, array_items, deque_type, function_dict, is_plain_key, mro_has, read_attribute
+from .reads import MISSING, array_items, attribute_reader, deque_type, function_dict, is_plain_key, mro_has, read_attribute
 
 def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = None,
             variables: dict[str, Any] | None = None) -> Any:
@@ -74,6 +74,8 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = No
             if obj is not MISSING and obj[0] is not key:
                 return MISSING
             obj = obj[1] if obj is not MISSING else MISSING
+        elif tag == "run":
+            obj = _follow_run(obj, step[1], step[2], items)
         elif tag == "grad":
             obj = _tensor_grad(obj)
         elif tag == "member" or tag == "flat":
@@ -100,6 +102,40 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = No
         if obj is MISSING:
             return MISSING
     return MISSING if pending_attr else obj
+
+
+# Along a run (a linked list's .next ×199,600) the object every this many links is kept for the scan.
+_MARK_EVERY = 1024
+
+
+def _follow_run(obj: Any, name: str, links: int, items: dict[Any, Any] | None) -> Any:
+    """``.name`` followed ``links`` times, read at C level. The objects every _MARK_EVERY links are
+    kept for the scan (in ``items``), so the paths along one list share one climb, not one each."""
+    key = ("run", id(obj), name)
+    known = items.get(key) if items is not None else None
+    if known is None or known[0] is not obj:
+        fresh: tuple[Any, list[Any], dict[int, Any]] = (obj, [obj], {})
+        known = fresh
+        if items is not None:
+            items[key] = known
+    marks, readers = known[1], known[2]  # readers: id(type) -> its reader of .name
+    at = min(links // _MARK_EVERY, len(marks) - 1)
+    current, position = marks[at], at * _MARK_EVERY
+    while position < links:
+        cls = type(current)
+        reader = readers.get(id(cls), MISSING)
+        if reader is MISSING:
+            reader = readers[id(cls)] = attribute_reader(cls, name)
+        if reader is None:
+            return MISSING
+        try:
+            current = reader(current)
+        except AttributeError:
+            return MISSING
+        position += 1
+        if position % _MARK_EVERY == 0 and position // _MARK_EVERY == len(marks):
+            marks.append(current)
+    return current
 
 
 def _values_by_key_identity(mapping: dict, items: dict[Any, Any] | None) -> dict[int, tuple[Any, Any]]:

@@ -1,4 +1,5 @@
-"""Where memory can be held from: user variables, IPython's output cache, stored exceptions.
+"""Where memory can be held from: user variables (and the user's own classes and modules), IPython's
+output cache, stored exceptions.
 
 This module knows IPython's naming conventions (``Out``, ``_N``, ``sys.last_*``) but never
 imports IPython: the shell, when there is one, is passed in or found in ``sys.modules``.
@@ -9,6 +10,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+from .user_code import user_code_roots
 
 # IPython's own names: never user variables (docs/DESIGN.md, holders).
 IPYTHON_NAMES = frozenset(
@@ -73,9 +76,10 @@ def collect_roots(shell: Any | None = None, namespace: dict | None = None) -> Ro
         if namespace is None:
             namespace = sys.modules["__main__"].__dict__
     owned = user_owned_unders(shell, namespace)
+    # Variables first: a tensor both reach is shown by its variable.
     user = tuple(
         (variable_path(k), v) for k, v in list(dict.items(namespace)) if is_user_name(k) or k in owned
-    )
+    ) + tuple(user_code_roots(namespace))
     return Roots(
         user=user,
         output_cache=tuple(_output_cache_roots(shell, namespace, owned)),

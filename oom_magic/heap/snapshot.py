@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 from ..common._torch import loaded_torch
 from ..device.reading import DeviceReading, read_device, resolve_device
-from .holders import attribute, attribute_reachable
+from .holders import attribute, attribute_reachable, recheck_remembered
 from ..device.mapped import file_pages, process_file_resident
 from ..device.nvml import Nvml
 from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
-from ..records.snapshot import HOLDER_KINDS, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
+from ..records.snapshot import HOLDER_KINDS, USER, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
 from .roots import Roots, collect_roots
 from .tracker import find_tensors, pins_nothing, tensor_types
 
@@ -42,6 +43,10 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
                         file_pages=pages)
     roots = roots if roots is not None else collect_roots()
     types = tensor_types(torch)
+    counters = _allocation_counters(torch, where) if heap_scan else None
+    unchanged = _unchanged_since_last(where, counters, roots, torch)
+    if unchanged is not None:
+        return _finish(where, reading, unchanged, [_UNCHANGED_NOTE], started, 0, True, top, heap_scan, kernels, None)
     if heap_scan:
         live = find_tensors(torch, where)
         try:
@@ -61,9 +66,6 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         )
     finally:
         live.release()
-    totals: dict[HolderKind, int] = {kind: 0 for kind in HOLDER_KINDS}
-    for record in storages:
-        totals[record.holder_kind] += record.bytes
     notes: list[str] = []
     if not heap_scan:
         notes.append(f"quick view: heap scan skipped, only what your variables, the output cache and stored "
@@ -92,9 +94,21 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
                          f"file{'s' if pages.files != 1 else ''}{resident} (weights loaded in their stored dtype): "
                          "file pages, which the kernel can drop, so the bar counts them as available, not used; "
                          "deleting those tensors gives no memory back")
+    if counters is not None:
+        _ALLOCATOR_SEEN[where] = (counters, storages)
+    return _finish(where, reading, storages, notes, started, live.objects_scanned, attribution.complete, top,
+                   heap_scan, kernels, pages)
+
+
+def _finish(where: str, reading: DeviceReading, storages: tuple[StorageRecord, ...], notes: list[str],
+            started: float, scanned: int, complete: bool, top: int, heap_scan: bool,
+            kernels: tuple[tuple[int, KernelInfo], ...], pages: FilePages | None) -> Snapshot:
+    totals: dict[HolderKind, int] = {kind: 0 for kind in HOLDER_KINDS}
+    for record in storages:
+        totals[record.holder_kind] += record.bytes
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
-                    live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan,
+                    scanned, complete, tuple(notes), top, heap_scan=heap_scan,
                     kernels=kernels, file_pages=pages)
 
 
@@ -112,6 +126,48 @@ def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[Storage
         marked.append(record)
     return tuple(marked), FilePages(tuple(sorted(by_kind.items())), views.file_bytes, views.resident, views.files,
                                     process_file_resident())
+
+
+_UNCHANGED_NOTE = ("the allocator's allocation and free counts have not moved since the last scan: its storages' "
+                   "remembered paths were re-checked, with no heap pass")
+# device -> (the allocator's (allocated, freed) block counts, the storages found then). Records
+# only: plain ints and strings, no tensor.
+_ALLOCATOR_SEEN: dict[str, tuple[tuple[int, int], tuple[StorageRecord, ...]]] = {}
+
+
+def _allocation_counters(torch: Any, where: str) -> tuple[int, int] | None:
+    """How many blocks the CUDA allocator has ever allocated and freed on this device, or None.
+
+    Asked only where a CUDA context already exists (``is_initialized``): never creates one.
+    """
+    if not where.startswith("cuda"):
+        return None
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return None
+        index = int(where.split(":", 1)[1]) if ":" in where else int(cuda.current_device())
+        stats = cuda.memory_stats(index)
+        return int(stats["allocation.all.allocated"]), int(stats["allocation.all.freed"])
+    except Exception:  # an older torch without the counters, or a device gone: scan the heap
+        return None
+
+
+def _unchanged_since_last(where: str, counters: tuple[int, int] | None, roots: Roots,
+                          torch: Any) -> tuple[StorageRecord, ...] | None:
+    """The last scan's storages with their holders re-checked, when no block was allocated or freed
+    since (the same storages are alive) and every one was user-held and its path still reaches it;
+    None where a heap pass is needed."""
+    seen = _ALLOCATOR_SEEN.get(where)
+    if counters is None or seen is None or seen[0] != counters:
+        return None
+    previous = seen[1]
+    if any(r.holder_kind != USER for r in previous):
+        return None  # a stale or library holder can change hands without an allocation: scan
+    holders = recheck_remembered([r.key for r in previous], roots, torch)
+    if holders is None:
+        return None
+    return tuple(replace(r, holder_path=holders[r.key].path) for r in previous)
 
 
 # Seconds each Jupyter server may take to name its kernels (at most one second in all per server).

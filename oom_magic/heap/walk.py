@@ -46,6 +46,7 @@ NDARRAY = 4   # an object array's items
 SKIP = 5      # never entered: modules, classes, code, builtins, descriptors
 LATER = 6     # walked after every other object of its level is done (see _later_types)
 SEQ = 7       # an exact builtin list, tuple, set, frozenset or deque
+_TIE_ORDER = {DICT: 0, SEQ: 1, FRAME: 2, FUNCTION: 3, NDARRAY: 4, GENERIC: 5, LATER: 6, SKIP: 7}
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
@@ -139,6 +140,7 @@ class Walk:
         self._key_parents: list[Any] = []
         self._frames: list[Any] = []  # locals dicts read from frames: kept alive while ids are in use
         self._later: list[Any] = []  # reached optimizers, entered once everything else is walked
+        self._wrapper_dicts: set[int] = set()  # ids of functools.wraps wrappers' __dict__s (entered last)
         self._big: list[Any] = []  # containers too big to read in one pass, read in slices
         self._later_types = _later_types()
 
@@ -306,6 +308,7 @@ class Walk:
         self._key_parents.clear()
         self._frames.clear()
         self._later.clear()
+        self._wrapper_dicts.clear()
         self._big.clear()
         self._types.clear()
 
@@ -332,7 +335,8 @@ class Walk:
         present = set(kinds)
         kids: list[Any] = []
         parents: list[Any] = []
-        for what in present:
+        # Ties go to what is named by a key or index: a dict's values before generic referents.
+        for what in sorted(present, key=_TIE_ORDER.__getitem__):
             objs = level if len(present) == 1 else list(compress(level, map(what.__eq__, kinds)))
             if what == LATER and defer:
                 self._later.extend(objs)
@@ -346,6 +350,11 @@ class Walk:
                 lists = list(map(gc.get_referents, objs))
                 self._extend(kids, parents, objs, lists)
             elif what == DICT:
+                if self._wrapper_dicts and defer:
+                    self._later.extend(d for d in objs if id(d) in self._wrapper_dicts)
+                    objs = [d for d in objs if id(d) not in self._wrapper_dicts]
+                    if not objs:
+                        continue
                 if max(map(dict.__len__, objs)) > SLICE:
                     self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
                     objs = [d for d in objs if dict.__len__(d) <= SLICE]
@@ -357,6 +366,10 @@ class Walk:
                 lists = [[c for c in (f.__closure__, f.__defaults__, f.__kwdefaults__,
                                       function_dict(f)) if c is not None] for f in objs]
                 self._extend(kids, parents, objs, lists)
+                # functools.wraps copies the wrapped object's __dict__ into the wrapper's (torch.compile
+                # wraps the model: `cm.forward._modules`): entered last, after the object's own names.
+                self._wrapper_dicts.update(id(d) for f in objs if (d := function_dict(f)) is not None
+                                           and "__wrapped__" in d)
             elif what == FRAME:
                 lists = [self._frame_locals(f) for f in objs]
                 self._extend(kids, parents, objs, lists)

@@ -6,7 +6,9 @@ This is a fake, for tests only. Every value it returns has the shape PyTorch 2.x
 - ``memory_allocated`` / ``memory_reserved`` / ``max_memory_allocated(device)``: int bytes;
   ``reset_peak_memory_stats(device)`` sets the peak back to what is allocated now;
 - ``memory_stats(device)``: the flat dict ('allocated_bytes.all.current', '...all.peak',
-  'reserved_bytes.all.current', 'inactive_split_bytes.all.current', 'num_ooms', ...) and
+  'reserved_bytes.all.current', 'inactive_split_bytes.all.current', 'num_ooms', and the counters
+  'allocation.all.allocated' / 'allocation.all.freed' / 'allocation.all.current': blocks ever
+  allocated, ever freed, live now; one block per ``allocate``/``free`` here) and
   ``memory_stats_as_nested_dict(device)`` the same figures as {'allocated_bytes': {'all':
   {'current': ..., 'peak': ...}}, ...};
 - ``mem_get_info(device)``: (free, total) for the whole device, every process included;
@@ -60,6 +62,8 @@ class _Device:
     allocated: int = 0     # live tensors
     peak: int = 0          # allocated high-water mark since the last reset
     ooms: int = 0
+    allocations: int = 0   # the allocator's counters: blocks ever allocated ('allocation.all.allocated')
+    frees: int = 0         # and ever freed ('allocation.all.freed')
     set_calls: list[float] = field(default_factory=list)
 
 
@@ -167,7 +171,9 @@ class FakeTorchCuda:
         dev = self._devices[device]
         return {"allocated_bytes.all.current": dev.allocated, "allocated_bytes.all.peak": dev.peak,
                 "reserved_bytes.all.current": dev.reserved, "reserved_bytes.all.peak": dev.reserved,
-                "inactive_split_bytes.all.current": 0, "num_ooms": dev.ooms}
+                "inactive_split_bytes.all.current": 0, "num_ooms": dev.ooms,
+                "allocation.all.allocated": dev.allocations, "allocation.all.freed": dev.frees,
+                "allocation.all.current": dev.allocations - dev.frees}
 
     def memory_stats_as_nested_dict(self, device: int = 0) -> dict[str, Any]:
         nested: dict[str, Any] = {}
@@ -210,11 +216,13 @@ class FakeTorchCuda:
         if cached < nbytes:
             dev.reserved += nbytes
         dev.allocated += nbytes
+        dev.allocations += 1
         dev.peak = max(dev.peak, dev.allocated)
 
     def free(self, nbytes: int, device: int = 0) -> None:
         """Drop a tensor: its block stays cached (reserved) as in the caching allocator."""
         self._devices[device].allocated -= nbytes
+        self._devices[device].frees += 1
 
     def hold(self, allocated: int, reserved: int | None = None, device: int = 0) -> None:
         """Set the allocator's figures outright (a cell's tensors come and go): the peak follows."""

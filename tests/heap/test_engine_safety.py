@@ -7,6 +7,7 @@ record empty and still count and name every tensor they hold.
 from __future__ import annotations
 
 import gc
+import sys
 import textwrap
 import warnings
 import weakref
@@ -226,3 +227,46 @@ def test_the_deadline_is_checked_inside_one_huge_container():
 
 class _Tracked:
     """A gc-tracked object (its instances keep the tuples holding them tracked)."""
+
+
+def test_the_users_classes_and_modules_are_read_without_user_code(ip, armed, tmp_path, monkeypatch):
+    """Class attributes (a metaclass with __getattribute__/__eq__) and a user module's globals (a
+    module __getattr__) are roots: reading them calls none of the user's dunders."""
+    (tmp_path / "loudmod.py").write_text(textwrap.dedent('''
+        import torch
+        CALLS = []
+        def __getattr__(name):
+            CALLS.append("module.__getattr__:" + name)
+            raise AttributeError(name)
+        HELD = [torch.ones(900)]
+    '''))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        armed["ARMED"][0] = False
+        assert _run(ip, textwrap.dedent('''
+            import loudmod
+            class Loud(type):
+                def __getattribute__(cls, name):
+                    note("Loud.__getattribute__:" + name)
+                    return type.__getattribute__(cls, name)
+                def __eq__(cls, other):
+                    note("Loud.__eq__")
+                    return cls is other
+                __hash__ = None
+            class Cfg(metaclass=Loud):
+                table = torch.ones(800)
+                rec = Recorder()
+            ARMED[0] = True
+        ''')).success
+        calls = armed["CALLS"]
+        forget_paths()
+        for _ in range(2):
+            snap = ip.run_line_magic("gpumem", "-o --all")
+            user = {r.holder_path: r.bytes for r in snap.storages if r.holder_kind == "user"}
+            assert user["Cfg.table"] == 3200 and user["loudmod.HELD[0]"] == 3600
+            _check_counts(snap)
+        assert calls == [] and sys.modules["loudmod"].CALLS == []
+    finally:
+        armed["ARMED"][0] = False
+        sys.modules.pop("loudmod", None)

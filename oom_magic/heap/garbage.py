@@ -1,0 +1,197 @@
+"""Find the tensors that sit in unreachable reference cycles, without collecting them; and next
+time, re-verify the garbage found last time instead of searching for it again.
+
+The search climbs the tensors' referrers (each level one ``gc.get_referrers`` pass over the
+heap) and runs the collector's own test on the ancestors found. What it finds garbage is
+remembered as the ids of the cycle's members and weak references to those that take one (no
+strong reference: the collector may still free them). The next scan rebuilds the set by
+descending from those members through ``gc.get_referents``, restricted to the ids remembered,
+and runs the same test on it: a set whose every reference comes from inside it, with no root
+among its members, is unreachable whatever else changed. Any doubt (a member freed or changed,
+an id reused, a reference from outside) and the storage is searched for as on a first scan.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import time
+import types
+import weakref
+from typing import Any
+
+from .tracker import LiveTensors
+
+# The garbage found by the last searches, a group per search: weak references to its members that
+# take one, the ids of all its members, and the storages it held. Never a strong reference.
+_LAST: list[tuple[tuple[weakref.ref, ...], frozenset[int], frozenset[int]]] = []
+_GROUPS_KEPT = 8
+
+
+def forget_garbage() -> None:
+    """Drop the remembered garbage (the next scan searches from scratch)."""
+    _LAST.clear()
+
+
+def _remember(members: list[Any], storages: set[int]) -> None:
+    if not storages or not members:
+        return
+    refs = []
+    for obj in members:
+        try:
+            refs.append(weakref.ref(obj))
+        except TypeError:  # dicts, lists, tuples: reached again from a member that takes one
+            continue
+    if refs:
+        _LAST.append((tuple(refs), frozenset(map(id, members)), frozenset(storages)))
+        del _LAST[:-_GROUPS_KEPT]
+
+
+def still_garbage(live: LiveTensors, claimed: dict[int, Any]) -> set[int]:
+    """Storages of ``live`` that the garbage found last time still holds alone, re-verified now.
+
+    Costs a descent through the remembered members, not a climb through the heap: no
+    ``gc.get_referrers`` pass. ``claimed``: storages already given a holder (left out).
+    """
+    found: set[int] = set()
+    for group in list(_LAST):
+        refs, ids, storages = group
+        if not any(key in live.storages and key not in claimed for key in storages):
+            if not any(ref() is not None for ref in refs):
+                _LAST.remove(group)  # collected: nothing left to re-verify
+            continue
+        confirmed = _verify(live, refs, ids)
+        if confirmed:
+            found |= confirmed
+        else:
+            _LAST.remove(group)  # changed: searched again, and remembered anew
+    return {key for key in found if key not in claimed}
+
+
+def _verify(live: LiveTensors, refs: tuple[weakref.ref, ...], ids: frozenset[int]) -> set[int]:
+    """The storages a remembered group still holds as garbage alone (none if anything changed)."""
+    members: list[Any] = []
+    index: dict[int, int] = {}
+    for ref in refs:
+        obj = ref()
+        if obj is not None and id(obj) not in index:
+            index[id(obj)] = len(members)
+            members.append(obj)
+        del obj
+    at = 0
+    while at < len(members):  # the members reached from those: children remembered by id
+        for child in gc.get_referents(members[at]):
+            if id(child) in ids and id(child) not in index:
+                index[id(child)] = len(members)
+                members.append(child)
+        at += 1
+    child = None  # the loop variable would count as an outside reference
+    tensors = {id(t) for t in live.tensors}
+    inside = [i for i, o in enumerate(members) if id(o) in tensors]
+    if not inside:
+        members.clear()
+        return set()
+    # The tensors' only references must be those the members hold: drop ours while counting.
+    live.tensors[:] = [t for t in live.tensors if id(t) not in index]
+    try:
+        external = {id(o) for o in members if _is_root_like(o)}
+        marked = _reachable_ancestors(members, index, external)
+        found = {live.storage_of[id(members[i])] for i in inside if i not in marked}
+        alive = {live.storage_of[id(members[i])] for i in inside if i in marked}
+    finally:
+        live.tensors.extend(members[i] for i in inside)
+        members.clear()
+    # A storage is garbage only when every tensor viewing it is (a view held elsewhere keeps it).
+    viewed_elsewhere = {live.storage_of[id(t)] for t in live.tensors if id(t) not in index}
+    return found - alive - viewed_elsewhere
+
+
+def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
+                      budget_seconds: float = 2.0) -> set[int]:
+    """Storages whose tensors sit in unreachable reference cycles, found without collecting.
+
+    A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
+    runs the collector's own test on the tensors' ancestors: an object is reachable when
+    something outside the ancestor set refers to it (its refcount exceeds the references from
+    inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
+    objects count as reachable, so a tensor is never called garbage by mistake.
+    """
+    deadline = time.perf_counter() + budget_seconds
+    keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
+    # The ancestor list holds the only references we keep, so refcounts can be accounted exactly.
+    ancestors: list[Any] = list(unclaimed)
+    live.tensors[:] = [t for t in live.tensors if id(t) not in keys]
+    unclaimed.clear()
+    index = {id(o): i for i, o in enumerate(ancestors)}
+    external: set[int] = set()
+    frontier = list(ancestors)
+    while frontier:
+        if len(ancestors) > budget_objects or time.perf_counter() > deadline:
+            external.update(id(o) for o in frontier)
+            break
+        ignore = {id(ancestors), id(frontier), id(live.tensors), id(index)}
+        found = gc.get_referrers(*frontier)
+        ignore.add(id(found))
+        frontier = []
+        for referrer in found:
+            if id(referrer) in ignore or id(referrer) in index:
+                continue
+            index[id(referrer)] = len(ancestors)
+            ancestors.append(referrer)
+            if _is_root_like(referrer):
+                external.add(id(referrer))  # module globals, classes, running frames: always reachable
+            else:
+                frontier.append(referrer)
+        del found
+    referrer = None  # the loop variable would count as an outside reference
+    marked = _reachable_ancestors(ancestors, index, external)
+    garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
+    alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
+    _remember([o for i, o in enumerate(ancestors) if i not in marked], garbage - alive)
+    live.tensors.extend(o for o in ancestors if id(o) in keys)
+    ancestors.clear()
+    # A storage is garbage only when every tensor viewing it is.
+    return garbage - alive
+
+
+def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
+    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
+    inside = [0] * len(ancestors)
+    for holder in ancestors:
+        for child in gc.get_referents(holder):
+            i = index.get(id(child))
+            if i is not None:
+                inside[i] += 1
+    holder = child = None  # loop variables would add to the refcounts read below
+    # getrefcount's own argument and the ancestors list are the two references we hold.
+    start = [i for i in range(len(ancestors))
+             if id(ancestors[i]) in external or sys.getrefcount(ancestors[i]) - 2 > inside[i]]
+    marked = set(start)
+    while start:
+        for child in gc.get_referents(ancestors[start.pop()]):
+            i = index.get(id(child))
+            if i is not None and i not in marked:
+                marked.add(i)
+                start.append(i)
+    return marked
+
+
+def _is_root_like(obj: Any) -> bool:
+    cls = type(obj)
+    if cls is types.ModuleType or issubclass(cls, type):
+        return True
+    if cls is dict and "__name__" in obj and "__builtins__" in obj:
+        return True  # a module's globals
+    if cls is types.FrameType:
+        return _is_running(obj)
+    return False
+
+
+def _is_running(frame: types.FrameType) -> bool:
+    current: types.FrameType | None = sys._getframe()
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
