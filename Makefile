@@ -29,8 +29,11 @@ $(VENV)/.test: $(VENV)/.core pyproject.toml
 demo: $(VENV)/.core
 	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
 
+# Independent tests run on $(TEST_WORKERS) xdist workers; real kernels and the browser are each one
+# xdist_group (one worker, one after another), so they never start side by side.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # ruff and mypy over the package (config in pyproject.toml); make test runs it first.
 lint: $(VENV)/.test
