@@ -19,11 +19,15 @@ def _global_ip():
 
 @pytest.fixture
 def ip(_global_ip):
-    """The real IPython shell, extension loaded, user namespace and history reset afterwards."""
+    """The real IPython shell, extension loaded, user namespace and history reset afterwards.
+
+    It starts with no garbage of earlier tests (a full collection first): under xdist a test follows
+    any other, and a reference cycle one left behind would show in this test's scans as stale."""
     shell = _global_ip
+    gc.collect()
     shell.run_line_magic("load_ext", "oom_magic")
     yield shell
-    # %reset runs two full collections of its own, each a second or more with torch and transformers
+    # %reset runs two full collections of its own, each up to a second with torch and transformers
     # on the heap; with the heap frozen they have nothing to scan, and the one collection below,
     # after unfreezing, frees the same cycles (the output cache, the test's namespace) at once.
     gc.freeze()
