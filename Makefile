@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test lint test-pythons lab bench gpu-check ui-deps clean
+.PHONY: demo test test-reverse lint test-pythons lab bench gpu-check ui-deps clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -34,6 +34,10 @@ demo: $(VENV)/.core
 TEST_WORKERS ?= 2
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# The same suite in reverse order (pytest-reverse): no test may depend on what ran before it.
+test-reverse: $(VENV)/.test
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --reverse
 
 # ruff and mypy over the package (config in pyproject.toml); make test runs it first.
 lint: $(VENV)/.test
