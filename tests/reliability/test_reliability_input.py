@@ -783,7 +783,7 @@ def numbered_strings(count: int) -> bytes:
     while start < count:
         end = min(count, 10**width)
         head = "\x8c" + chr(width)
-        numbers = map(("{:0%d}" % width).format, range(start, end)) if width == 4 else map(str, range(start, end))
+        numbers = map("{:04}".format, range(start, end)) if width == 4 else map(str, range(start, end))
         parts.append(head + head.join(numbers))
         start, width = end, width + 1
     return "".join(parts).encode("latin-1")  # digits and two bytes below 256: one byte per character
