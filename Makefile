@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(BIN)/python -m pip -q --disable-pip-version-check
 
-.PHONY: demo test lint test-pythons lab bench gpu-check ui-deps clean
+.PHONY: demo test test-reverse lint test-pythons lab bench gpu-check ui-deps clean
 
 $(BIN)/python:
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -29,8 +29,15 @@ $(VENV)/.test: $(VENV)/.core pyproject.toml
 demo: $(VENV)/.core
 	$(BIN)/python scripts/run_notebook.py notebooks/quickstart.ipynb
 
+# Independent tests run on $(TEST_WORKERS) xdist workers; real kernels and the browser are each one
+# xdist_group (one worker, one after another), so they never start side by side.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# The same suite in reverse order (pytest-reverse): no test may depend on what ran before it.
+test-reverse: $(VENV)/.test
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --reverse
 
 # ruff and mypy over the package (config in pyproject.toml); make test runs it first.
 lint: $(VENV)/.test

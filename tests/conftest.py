@@ -19,12 +19,23 @@ def _global_ip():
 
 @pytest.fixture
 def ip(_global_ip):
-    """The real IPython shell, extension loaded, user namespace and history reset afterwards."""
+    """The real IPython shell, extension loaded, user namespace and history reset afterwards.
+
+    It starts with no garbage of earlier tests (a full collection first): under xdist a test follows
+    any other, and a reference cycle one left behind would show in this test's scans as stale."""
     shell = _global_ip
+    gc.collect()
     shell.run_line_magic("load_ext", "oom_magic")
     yield shell
-    shell.run_line_magic("reset", "-f")
-    shell.run_line_magic("unload_ext", "oom_magic")
+    # %reset runs two full collections of its own, each up to a second with torch and transformers
+    # on the heap; with the heap frozen they have nothing to scan, and the one collection below,
+    # after unfreezing, frees the same cycles (the output cache, the test's namespace) at once.
+    gc.freeze()
+    try:
+        shell.run_line_magic("reset", "-f")
+        shell.run_line_magic("unload_ext", "oom_magic")
+    finally:
+        gc.unfreeze()
     import sys
 
     for attr in ("last_type", "last_value", "last_traceback", "last_exc"):

@@ -27,6 +27,9 @@ import pytest
 
 from oom_magic.device.jupyter_kernels import KernelInfo, _loopback_host, find_jupyter_kernels
 
+# A real Jupyter server and kernels: the "jupyter" xdist group runs them on one worker, one after another.
+pytestmark = pytest.mark.xdist_group("jupyter")
+
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="simulating another user (uid 65534) needs root")
 
 _NO_EXTENSIONS = ("{'jupyterlab': False, 'jupyter_lsp': False, 'jupyter_server_terminals': False, "

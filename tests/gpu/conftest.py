@@ -2,7 +2,8 @@
 
 Skip rule: every test under tests/gpu carries the ``gpu`` marker and is skipped, with the reason,
 when a fresh interpreter says CUDA is unusable (``support.probe_cuda``); the check runs in a
-subprocess, so collecting the suite never initialises CUDA (or imports torch) in this process.
+subprocess, so this process never initialises CUDA (or imports torch) for it, and runs once, when
+the first of the suite's tests is set up (not at collection, which every xdist worker repeats).
 
 Rows: each check records (check, expected, measured, passed) through the ``checks`` fixture; the
 rows go to the JSON-lines file named by ``OOM_MAGIC_GPU_ROWS`` (set by scripts/gpu_check.py,
@@ -41,19 +42,27 @@ def _in_suite(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the suite's tests ``gpu`` and skip them all, saying why, when CUDA is unusable here."""
-    ours = [item for item in items if _in_suite(item)]
-    if not ours:
+    """Mark the suite's tests ``gpu`` and put them in one xdist group: they read one device's memory,
+    so no two may run side by side."""
+    for item in items:
+        if _in_suite(item):
+            item.add_marker(pytest.mark.gpu)
+            item.add_marker(pytest.mark.xdist_group("gpu"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip the suite's tests, saying why, when CUDA is unusable here.
+
+    Asked at setup, not at collection: every xdist worker collects the whole suite, and the probe
+    (a fresh interpreter importing torch) costs seconds; only the worker that runs the group asks.
+    """
+    if not _in_suite(item):
         return
     probe = _cuda_probe()
-    skip = None
-    if not probe.get("available"):
-        skip = pytest.mark.skip(reason=f"no CUDA GPU: {probe.get('reason')} "
-                                       "(this suite runs with `make gpu-check` on a machine with an NVIDIA GPU)")
-    for item in ours:
-        item.add_marker(pytest.mark.gpu)
-        if skip is not None:
-            item.add_marker(skip)
+    if not probe.get("available"):  # a skip mark, read by pytest's own setup hook next: reported as before
+        item.add_marker(pytest.mark.skip(reason=f"no CUDA GPU: {probe.get('reason')} "
+                                                "(this suite runs with `make gpu-check` on a machine with an NVIDIA GPU)"))
 
 
 # -- the rows ----------------------------------------------------------------------------------

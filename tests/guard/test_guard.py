@@ -281,7 +281,7 @@ def test_every_argument_has_help(torch_ip):
 # --------------------------------------------------------------------------- guard_load for scripts
 
 
-def test_with_guard_load_measures_a_load(capsys):
+def test_with_guard_load_measures_a_load(capsys, fresh_heap):  # fresh_heap: no earlier test's garbage is stale
     ns: dict[str, Any] = {}
     with guard_load(device="cpu", namespace=ns) as guard:
         ns["w"] = torch.ones(1000)
@@ -307,7 +307,7 @@ def test_with_guard_load_on_oom_gives_back_and_raises_short():
     assert str(info.value).startswith("cpu out of memory: tried to allocate 1024.00 TiB") and "guard_load gave back" in str(info.value)
 
 
-def test_with_cannot_retry_but_run_can(capsys):
+def test_with_cannot_retry_but_run_can(capsys, fresh_heap):  # the stale bytes are exactly this test's
     with pytest.raises(OomMagicError, match="a with-block runs once"):
         with guard_load(device="cpu", retry=1, namespace={}):
             pass

@@ -13,16 +13,24 @@ import re
 import sys
 from pathlib import Path
 
-import nbformat
+from typing import TYPE_CHECKING
+
 import pytest
-from nbclient import NotebookClient
 
 from oom_magic.render.units import format_bytes
+
+# nbformat is imported where it is used: importing it costs ~3.5 s (jsonschema's format grammars)
+# in the collection of every xdist worker, which mostly runs other tests.
+if TYPE_CHECKING:
+    import nbformat
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
     tomllib = None
+
+# Real kernels run in the "jupyter" xdist group: one worker, one after another, never side by side.
+pytestmark = pytest.mark.xdist_group("jupyter")
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -48,6 +56,9 @@ def execute(name: str, workdir: Path) -> nbformat.NotebookNode:
     The kernel gets an IPython profile folder of its own, so no startup file or config of the
     machine's user changes what the notebook does.
     """
+    import nbformat
+    from nbclient import NotebookClient
+
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(workdir)}})
@@ -158,6 +169,8 @@ def widget_text(nb: nbformat.NotebookNode, cell_id: str) -> str:
 
 def test_notebooks_match_their_generator() -> None:
     """The committed .ipynb files are what make_notebooks.py writes, with no outputs."""
+    import nbformat
+
     spec = importlib.util.spec_from_file_location("make_notebooks", NOTEBOOKS / "make_notebooks.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
@@ -185,6 +198,8 @@ def test_binder_installs_cpu_torch_then_this_package() -> None:
 
 @pytest.mark.skipif(tomllib is None, reason="reading pyproject.toml needs tomllib (Python 3.11+)")
 def test_binder_provides_every_module_the_notebooks_import() -> None:
+    import nbformat
+
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     installed = {re.split(r"[<>=!~\[; ]", spec, maxsplit=1)[0].replace("-", "_")
                  for spec in pyproject["dependencies"] + pyproject["optional-dependencies"]["hf"]}

@@ -286,6 +286,7 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> Any:
         km.shutdown_kernel(now=True)
 
 
+@pytest.mark.xdist_group("jupyter")  # real kernels run on one xdist worker, one after another
 def test_gpumem_serialises_in_a_real_kernel_with_a_lone_surrogate_name(kernel: Any) -> None:
     run = kernel
     status, out = run("class O: pass\nobj = O()\nobj.__dict__['\\ud800x\\n'] = torch.ones(100_000)")
@@ -301,6 +302,7 @@ def test_gpumem_serialises_in_a_real_kernel_with_a_lone_surrogate_name(kernel: A
     assert status == "ok" and json.loads(next(o["data"] for o in out if "data" in o)["text/plain"])
 
 
+@pytest.mark.xdist_group("jupyter")
 def test_top_level_await_in_a_guarded_cell_runs_in_a_real_kernel(kernel: Any) -> None:
     """In a kernel the cell itself runs on the kernel's event loop (the shell test has none)."""
     status, out = kernel("%%guardload -q\nawait asyncio.sleep(0)\nkz = await asyncio.sleep(0, result=3)")

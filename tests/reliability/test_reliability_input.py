@@ -21,6 +21,7 @@ The one fake: NVML (there is no GPU here), so that ``cuda:9`` on a one-GPU machi
 """
 from __future__ import annotations
 
+import array
 import io
 import json
 import os
@@ -762,12 +763,45 @@ def test_huge_and_deep_headers_stay_within_memory(traced, scratch: Path, name: s
         assert isinstance(result, OomMagicError)
 
 
+def long_binputs(count: int) -> bytes:
+    """``op("LONG_BINPUT", i) for i in range(count)``, joined: the same bytes without a Python call per
+    opcode (a bomb holds millions; building them one op() at a time cost seconds of every run)."""
+    index = array.array("I", range(count))  # 4-byte unsigned, as "<I" packs it
+    if sys.byteorder == "big":
+        index.byteswap()
+    raw, out = index.tobytes(), bytearray(5 * count)
+    out[0::5] = b"r" * count
+    for byte in range(4):
+        out[1 + byte::5] = raw[byte::4]
+    return bytes(out)
+
+
+def numbered_strings(count: int) -> bytes:
+    """``op("SHORT_BINUNICODE", f"{i:04}") for i in range(count)``, joined: the same bytes, built one digit
+    width at a time (4 digits below 10,000, then the number itself) without a Python call per opcode."""
+    parts, width, start = [], 4, 0
+    while start < count:
+        end = min(count, 10**width)
+        head = "\x8c" + chr(width)
+        numbers = map("{:04}".format, range(start, end)) if width == 4 else map(str, range(start, end))
+        parts.append(head + head.join(numbers))
+        start, width = end, width + 1
+    return "".join(parts).encode("latin-1")  # digits and two bytes below 256: one byte per character
+
+
+def test_the_bomb_builders_write_what_op_writes() -> None:
+    """The fast builders above are byte for byte the op() sequences they stand for (across digit widths)."""
+    count = 100_003
+    assert numbered_strings(count) == b"".join(op("SHORT_BINUNICODE", f"{i:04}") for i in range(count))
+    assert long_binputs(count) == b"".join(op("LONG_BINPUT", i) for i in range(count))
+
+
 _BOMBS = {
     "memoize": lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + op("MEMOIZE") * (15 * MB) + op("STOP"),
-    "binput": lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + b"".join(op("LONG_BINPUT", i) for i in range(3 * MB)) + op("STOP"),
+    "binput": lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + long_binputs(3 * MB) + op("STOP"),
     "empty-lists": lambda: op("PROTO", 2) + op("EMPTY_LIST") * (15 * MB) + op("STOP"),
     "nested-tuples": lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + op("TUPLE1") * (15 * MB) + op("STOP"),
-    "strings": lambda: op("PROTO", 2) + b"".join(op("SHORT_BINUNICODE", f"{i:04}") for i in range(1_800_000)) + op("STOP"),
+    "strings": lambda: op("PROTO", 2) + numbered_strings(1_800_000) + op("STOP"),
 }
 _MEASURE_BOMBS = r"""
 import json, sys
@@ -833,15 +867,15 @@ def _shared_list_under_every_key(items: int, keys: int) -> bytes:
     return op("PROTO", 2) + shared + op("EMPTY_DICT") + op("MARK") + pairs + op("SETITEMS") + op("STOP")
 
 
-_KEYS_BOMBS = {  # name: (data.pkl, what read_checkpoint_keys says)
-    "empty-lists": (op("PROTO", 2) + op("EMPTY_LIST") * 800_000 + op("STOP"), "holds over 600,000 pickle opcodes"),
-    "dups": (op("PROTO", 2) + op("EMPTY_TUPLE") + op("DUP") * 2_000_000 + op("STOP"), "holds over 600,000 pickle opcodes"),
-    "memoize": (op("PROTO", 2) + op("EMPTY_TUPLE") + op("MEMOIZE") * 1_000_000 + op("STOP"), "builds over 48 MiB"),
-    "binput": (op("PROTO", 2) + op("EMPTY_TUPLE") + b"".join(op("LONG_BINPUT", i) for i in range(1_000_000)) + op("STOP"),
-               "builds over 48 MiB"),
-    "shared-list": (_shared_list_under_every_key(200_000, 300), "links over 2,000,000 objects under its keys"),
-    "strings-15MiB": (_BOMBS["strings"](), "data.pkl is over 8 MiB, past what oom-magic reads"),
-    "memoize-15MiB": (_BOMBS["memoize"](), "data.pkl is over 8 MiB, past what oom-magic reads"),
+_KEYS_BOMBS = {  # name: (data.pkl, what read_checkpoint_keys says); built when a test asks, not at collection
+    "empty-lists": (lambda: op("PROTO", 2) + op("EMPTY_LIST") * 800_000 + op("STOP"), "holds over 600,000 pickle opcodes"),
+    "dups": (lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + op("DUP") * 2_000_000 + op("STOP"),
+             "holds over 600,000 pickle opcodes"),
+    "memoize": (lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + op("MEMOIZE") * 1_000_000 + op("STOP"), "builds over 48 MiB"),
+    "binput": (lambda: op("PROTO", 2) + op("EMPTY_TUPLE") + long_binputs(1_000_000) + op("STOP"), "builds over 48 MiB"),
+    "shared-list": (lambda: _shared_list_under_every_key(200_000, 300), "links over 2,000,000 objects under its keys"),
+    "strings-15MiB": (_BOMBS["strings"], "data.pkl is over 8 MiB, past what oom-magic reads"),
+    "memoize-15MiB": (_BOMBS["memoize"], "data.pkl is over 8 MiB, past what oom-magic reads"),
 }
 
 
@@ -852,8 +886,8 @@ def test_preflight_reads_keys_of_a_pickle_bomb_within_memory(scratch: Path) -> N
 
     Measured by peak RSS in a fresh process, as test_pickle_bombs_are_sized_within_memory does.
     """
-    paths = {name: torch_zip(scratch / f"keys-bomb-{name}.pt", data, {"0": bytes(16)})
-             for name, (data, _) in _KEYS_BOMBS.items()}
+    paths = {name: torch_zip(scratch / f"keys-bomb-{name}.pt", make(), {"0": bytes(16)})
+             for name, (make, _) in _KEYS_BOMBS.items()}
     # Two 2 MiB memoized strings joined by STACK_GLOBAL 100,000 times: never copied, so it walks.
     names = op("BINUNICODE", "m" * (2 * MB)) + op("BINPUT", 0) + op("BINUNICODE", "q" * (2 * MB)) + op("BINPUT", 1)
     joins = (op("BINGET", 0) + op("BINGET", 1) + op("STACK_GLOBAL") + op("POP")) * 100_000
@@ -871,7 +905,7 @@ def test_preflight_reads_keys_of_a_pickle_bomb_within_memory(scratch: Path) -> N
 def test_preflight_reads_keys_of_a_memo_bomb_within_traced_memory(traced, scratch: Path) -> None:
     """Finding 7 (fixed in checkpoints.py): the costliest objects per opcode (memo entries) stop at the 48 MiB
     estimate, measured here by tracemalloc's peak in this process."""
-    bomb = torch_zip(scratch / "keys-memo-bomb.pt", _KEYS_BOMBS["memoize"][0], {"0": bytes(16)})
+    bomb = torch_zip(scratch / "keys-memo-bomb.pt", _KEYS_BOMBS["memoize"][0](), {"0": bytes(16)})
     result, peak = bounded(lambda: read_checkpoint_keys(bomb), seconds=60)  # tracing slows the walk ~5x
     assert isinstance(result, OomMagicError) and "builds over 48 MiB of objects" in str(result)
     assert peak < MEMORY_LIMIT, f"{peak / MB:.1f} MB"

@@ -229,6 +229,7 @@ def _execute(kc: Any, code: str) -> str:
     return "".join(printed)
 
 
+@pytest.mark.xdist_group("jupyter")  # real kernels run on one xdist worker, one after another
 def test_two_kernels_see_each_other_as_other_jupyter_kernels(tmp_path: Path) -> None:
     manager = pytest.importorskip("jupyter_client.manager")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "CUDA_VISIBLE"))}

@@ -9,12 +9,13 @@ import re
 import time
 from pathlib import Path
 
-import nbformat
 import pytest
 
 from .conftest import OUTPUT, REPO, JupyterLab
 
-pytestmark = pytest.mark.ui
+# The browser and JupyterLab's kernels share the "jupyter" xdist group with the other real-kernel
+# tests: one worker runs them one after another, so they never start side by side on 2 cores.
+pytestmark = [pytest.mark.ui, pytest.mark.xdist_group("jupyter")]
 
 RUN_ALL_S = 240  # the notebook takes ~15 s in a kernel here; JupyterLab and Chromium share 2 cores
 
@@ -36,11 +37,15 @@ _STATE_JS = """
 
 def _cell_index(cell_id: str) -> int:
     """Position (among all cells) of the quickstart cell with this id, as the DOM lists them."""
+    import nbformat  # imported where used: ~3.5 s in every xdist worker's collection otherwise
+
     nb = nbformat.read(REPO / "notebooks" / "quickstart.ipynb", as_version=4)
     return next(n for n, cell in enumerate(nb.cells) if cell.get("id") == cell_id)
 
 
 def _raising_cells() -> set[int]:
+    import nbformat
+
     nb = nbformat.read(REPO / "notebooks" / "quickstart.ipynb", as_version=4)
     return {n for n, cell in enumerate(nb.cells) if "raises-exception" in cell.metadata.get("tags", [])}
 

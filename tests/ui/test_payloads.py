@@ -11,13 +11,20 @@ from __future__ import annotations
 
 import re
 import time
+from typing import TYPE_CHECKING
 
-import nbformat
 import pytest
 
 from .conftest import JupyterLab
 
-pytestmark = pytest.mark.ui
+# nbformat is imported where it is used: importing it costs ~3.5 s (jsonschema's format grammars)
+# in the collection of every xdist worker, which mostly runs other tests.
+if TYPE_CHECKING:
+    import nbformat
+
+# The browser and JupyterLab's kernels share the "jupyter" xdist group with the other real-kernel
+# tests: one worker runs them one after another, so they never start side by side on 2 cores.
+pytestmark = [pytest.mark.ui, pytest.mark.xdist_group("jupyter")]
 
 IMG = "<img src=x onerror=alert(1)>"
 SCRIPT = "<script>alert(2)</script>"
@@ -45,6 +52,8 @@ CELLS = [
 
 
 def _payload_notebook() -> nbformat.NotebookNode:
+    import nbformat
+
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(source) for source in CELLS]
     nb.cells[5].metadata["tags"] = ["raises-exception"]
@@ -66,6 +75,8 @@ def _run_all(page) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_payloads_stay_inert_in_jupyterlab(browser_page, jupyter_lab: JupyterLab) -> None:  # type: ignore[no-untyped-def]
+    import nbformat
+
     nbformat.write(_payload_notebook(), jupyter_lab.root / "payloads.ipynb")
     page = browser_page
     dialogs: list[str] = []
