@@ -27,7 +27,7 @@ from .files import CheckpointFiles, find_checkpoint_files, read_config, resolve_
 from ..common.dtypes import DTYPE_BITS, FLOAT_BYTES, QUANTIZED, canonical_dtype, is_floating
 from ..common.errors import OomMagicError, one_line
 from .safetensors_header import read_safetensors_header, read_safetensors_shards
-from .torch_zip import FIX, TensorView, open_torch_zip, storages
+from .torch_zip import FIX, TensorView, open_torch_zip, optimizer_storage_keys, storages
 
 if TYPE_CHECKING:
     from .hf_rules import HeldBytes
@@ -58,6 +58,7 @@ class _Stored(NamedTuple):
     linear: tuple[tuple[int, int], ...] = ()
     expert: bool = False  # one expert's weight of a MoE layer (transformers 5 fuses them on load)
     layer: int | None = None  # the "layers.N" index in its name, for expert weights
+    optimizer: bool = False  # reached only from a training checkpoint's optimizer/scheduler keys
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class CheckpointEstimate:
     path: str
     format: str  # 'safetensors' | 'safetensors-sharded' | 'torch-zip' | 'torch-zip-sharded' | 'config-only'
     files: tuple[str, ...]
-    parameters: int  # elements of every stored tensor; tied weights are stored, and counted, once
+    parameters: int  # the model's elements; tied weights are stored, and counted, once; optimizer state left out
     stored_bytes: int  # tensor data as stored (for 'config-only': at the declared dtype)
     dtype: str | None  # the dtype asked for ('bfloat16', 'nf4', ...); None = as stored
     bytes: int  # bytes_for(dtype), or stored_bytes when dtype is None
@@ -95,6 +96,10 @@ class CheckpointEstimate:
     # The folder whose config.json transformers' rules are asked about (quantized / float16
     # loads, see hf_rules); None: header arithmetic only.
     _rules_dir: str | None = field(default=None, repr=False, compare=False)
+    # A training checkpoint's optimizer, scheduler and scaler state (torch.save zips): counted in
+    # stored_bytes (torch.load reads it all), never in parameters.
+    optimizer_elements: int = 0
+    optimizer_bytes: int = 0
 
     def bytes_for(
         self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16",
@@ -204,7 +209,7 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
         path=str(found.path),
         format=found.format,
         files=tuple(str(p) for p in found.files),
-        parameters=sum(item.elements for item in stored),
+        parameters=sum(item.elements for item in stored if not item.optimizer),
         stored_bytes=stored_bytes,
         dtype=canonical,
         bytes=stored_bytes,
@@ -212,6 +217,8 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
         declared_dtype=declared,
         _sizes=sizes,
         _rules_dir=rules_dir,
+        optimizer_elements=sum(item.elements for item in stored if item.optimizer),
+        optimizer_bytes=sum(item.nbytes for item in stored if item.optimizer),
     )
     return estimate if canonical is None else replace(estimate, bytes=estimate.bytes_for(canonical))
 
@@ -369,12 +376,14 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> list[_Stored]:
         raise OomMagicError(f"{one_line(path.name)}: a zip without a top-level data.pkl; not a torch.save checkpoint: "
                             f"{FIX}")
     stored = []
+    optimizer = optimizer_storage_keys(found)
     for item in storages(found):
         if item.dtype is None or item.elements is None:
-            stored.append(_Stored(_UNKNOWN, item.nbytes * 8 // assumed_bits, item.nbytes))
+            stored.append(_Stored(_UNKNOWN, item.nbytes * 8 // assumed_bits, item.nbytes,
+                                  optimizer=item.key in optimizer))
         else:
             stored.append(_Stored(item.dtype, item.elements, item.nbytes,
-                                  _linear_views(item.dtype, item.elements, item.views)))
+                                  _linear_views(item.dtype, item.elements, item.views), optimizer=item.key in optimizer))
     return stored
 
 

@@ -77,7 +77,10 @@ def _torch_load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None
 
 
 def _safetensors_sibling(path: Path) -> Path | None:
-    """A .safetensors file beside a pickle checkpoint: same stem, the HF rename, or the only one."""
+    """The .safetensors copy of a pickle checkpoint: same stem, or the HF rename (pytorch_model* → model*).
+
+    Any other .safetensors file in the folder is left out: sharing a folder does not make it this checkpoint.
+    """
     if not path.is_file() or path.suffix == ".safetensors":
         return None
     same = path.with_suffix(".safetensors")
@@ -87,11 +90,7 @@ def _safetensors_sibling(path: Path) -> Path | None:
         renamed = path.parent / (path.name.replace("pytorch_model", "model", 1).rsplit(".", 1)[0] + ".safetensors")
         if renamed.is_file():
             return renamed
-    try:
-        others = sorted(p for p in path.parent.iterdir() if p.suffix == ".safetensors" and p.is_file())
-    except OSError:
-        return None
-    return others[0] if len(others) == 1 else None
+    return None
 
 
 def _torch_version() -> tuple[int, int] | None:

@@ -100,6 +100,9 @@ class FitCheck:
     # cpu loads: RAM at the load's peak when above `need` (a cast or MoE fusion copies beside the
     # file pages it reads; see load_peak); None when the peak is the weights themselves
     ram_peak: int | None = None
+    # a training checkpoint's optimizer/scheduler state, beside `parameters` (which counts the model only)
+    optimizer_elements: int = 0
+    optimizer_bytes: int = 0
 
     @property
     def budget(self) -> int | None:
@@ -111,11 +114,18 @@ class FitCheck:
         return self.free - self.context - self.headroom
 
     @property
-    def margin(self) -> int | None:
-        """Budget − need: what stays free after the load (negative: the shortfall)."""
-        if self.need is None or self.budget is None:
+    def peak_need(self) -> int | None:
+        """What the load needs at its peak: the weights, or the cpu load's RAM peak when that is higher."""
+        if self.need is None:
             return None
-        return self.budget - max(self.need, self.ram_peak or 0)
+        return max(self.need, self.ram_peak or 0)
+
+    @property
+    def margin(self) -> int | None:
+        """Budget − peak_need: what stays free after the load (negative: the shortfall)."""
+        if self.peak_need is None or self.budget is None:
+            return None
+        return self.budget - self.peak_need
 
 
 @dataclass(frozen=True)

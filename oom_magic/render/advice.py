@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 OPTION_LABELS = {
     "bfloat16": "bf16/fp16",
     "int8": "8-bit (bitsandbytes)",
-    "nf4": "4-bit nf4 (bitsandbytes)",
+    "nf4": "4-bit nf4, double quant (bitsandbytes)",
     "device-map-auto": "spread over device + RAM",
     "offload-folder": "spill the rest to disk",
     "map-location-cpu": "load on CPU first",
@@ -26,6 +26,13 @@ OPTION_LABELS = {
     "mmap": "memory-map the file",
     "skip-optimizer": "model weights only",
 }
+
+
+def quantized_label(dtype: str, double_quant: bool) -> str:
+    """A load dtype as a size assumes it: 4-bit says whether its absmax is double-quantized (the figures differ)."""
+    if dtype in ("nf4", "fp4"):
+        return f"{dtype} {'with' if double_quant else 'without'} double quantization"
+    return dtype
 
 
 def size_literal(nbytes: int) -> str:

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import lint_text, option_code, preflight_html, preflight_text, target_label
+from .guard import lint_text, need_phrase, option_code, preflight_html, preflight_text, target_label
 from .json import record_dict
 from .units import format_bytes
 
@@ -20,12 +20,11 @@ def verdict_line(preflight: Preflight) -> str:
         return f"not checked: {reason}"
     if preflight.fits:
         check = preflight.checks[0]
-        return f"fits on {_where(check)}: {format_bytes(check.need)} needed, {format_bytes(check.margin)} to spare"
+        return f"fits on {_where(check)}: {need_phrase(check)}, {format_bytes(check.margin)} to spare"
     check = preflight.will_not_fit[0]
     first = next((o for o in check.options if o.fits), None)
     hint = f"; fits with {option_code(first)}" if first is not None else ""
-    return (f"WILL NOT FIT on {_where(check)}: {format_bytes(check.need)} needed, "
-            f"{format_bytes(-(check.margin or 0))} short{hint}")
+    return f"WILL NOT FIT on {_where(check)}: {need_phrase(check)}, {format_bytes(-(check.margin or 0))} short{hint}"
 
 
 def fit_text(preflight: Preflight) -> str:
@@ -44,9 +43,10 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
         checks.append({
             "line": check.call.line, "source": check.call.source, "checkpoint": check.call.checkpoint,
             "device": check.device, "verdict": check.verdict, "reason": check.reason,
-            "need": check.need, "dtype": check.dtype, "free": check.free, "context": check.context,
+            "need": check.need, "peak_need": check.peak_need, "ram_peak": check.ram_peak, "dtype": check.dtype, "free": check.free, "context": check.context,
             "headroom": check.headroom, "budget": check.budget, "margin": check.margin,
-            "parameters": check.parameters, "format": check.format, "files": check.files,
+            "parameters": check.parameters, "optimizer_elements": check.optimizer_elements,
+            "optimizer_bytes": check.optimizer_bytes, "format": check.format, "files": check.files,
             "split": [list(s) for s in check.split],
             "target": record_dict(check.target) if check.target is not None else None,
             "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
 from ..records.shown import renders
-from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, size_literal, target_label, target_place
+from .advice import (OPTION_LABELS, aligned_rows, option_code, option_rows, quantized_label, size_literal, target_label,
+                     target_place)
 from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from ..records.target import Target
 
 __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
-           "give_back_line", "guard_report_html", "guard_report_text", "lint_text", "option_code", "option_rows",
+           "give_back_line", "guard_report_html", "need_phrase", "guard_report_text", "lint_text", "option_code", "option_rows",
            "preflight_html", "preflight_text", "quiet_summary_html", "quiet_summary_text", "refusal_line",
            "rehearsal_line", "retry_line", "retry_text", "run_summary_text", "script_wording", "short_message",
            "size_literal", "target_label", "target_place"]
@@ -67,9 +68,13 @@ def _check_lines(check: FitCheck) -> list[str]:
     where = f" → {call.target}" if call.target else ""
     lines = [f"preflight (line {call.line}){where}: {call.source}"]
     if check.parameters is not None:
-        as_what = f"as {check.dtype}" if check.dtype else "as stored"
+        as_what = f"as {quantized_label(check.dtype, call.double_quant)}" if check.dtype else "as stored"
+        counted = f"{check.parameters:,} parameters"
+        if check.optimizer_elements:  # a training checkpoint: the model's count, its optimizer state beside it
+            counted += (f" + optimizer state {check.optimizer_elements:,} elements "
+                        f"({format_bytes(check.optimizer_bytes)}, read by torch.load too)")
         lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
-                     f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
+                     f"{counted}, {format_bytes(check.need)} {as_what}")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
@@ -86,20 +91,25 @@ def _check_lines(check: FitCheck) -> list[str]:
         if check.context:
             head += f" − {format_bytes(check.context)} CUDA context (estimate; not initialized yet)"
         head += f" − {format_bytes(check.headroom)} headroom = {format_bytes(check.budget)}"
-    if check.ram_peak is not None:  # the load's own peak, above the weights it keeps
-        head += f" (while loading, RAM peaks at {format_bytes(check.ram_peak)}: copies beside the file pages read)"
-    needs = format_bytes(max(check.need or 0, check.ram_peak or 0))
     if check.verdict == "fits":
-        lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare")
+        peak = f" ({need_phrase(check)})" if check.ram_peak is not None else ""
+        lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare{peak}")
     else:
-        short = -(check.margin or 0)
-        lines.append(f"{head} → WILL NOT FIT: needs {needs}, {format_bytes(short)} short")
+        lines.append(f"{head} → WILL NOT FIT: {need_phrase(check)}, {format_bytes(-(check.margin or 0))} short")
     if check.options:
         lines.append("  ways to fit (sizes for this model on this machine):")
         place = check.device if check.device != "auto" else next(
             (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
         lines += aligned_rows(option_rows(check.options, place), "    ")
     return lines + _offload_lines(check)
+
+
+def need_phrase(check: FitCheck) -> str:
+    """'needs N' — the figure every shortfall subtracts from; a cpu load whose RAM peak is the need says so."""
+    if check.ram_peak is not None:
+        return (f"needs {format_bytes(check.peak_need)} at the load's RAM peak (copies beside the file pages read; "
+                f"{format_bytes(check.need)} once loaded)")
+    return f"needs {format_bytes(check.need)}"
 
 
 def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
@@ -135,7 +145,7 @@ def _local_line(local: FitCheck) -> str:
     budget = f"{format_bytes(local.budget)} usable after headroom"
     if local.verdict == "fits":
         return f"  and here ({where}, where the cell runs): {budget} → fits, {format_bytes(local.margin)} to spare"
-    return (f"  and here ({where}, where the cell runs): {budget} → WILL NOT FIT: needs {format_bytes(local.need)}, "
+    return (f"  and here ({where}, where the cell runs): {budget} → WILL NOT FIT: {need_phrase(local)}, "
             f"{format_bytes(-(local.margin or 0))} short")
 
 
@@ -168,15 +178,15 @@ def refusal_line(preflight: Preflight) -> str:
     local = check.local if check.local is not None and check.local.verdict == "will-not-fit" else None
     if check.verdict != "will-not-fit" and local is not None and check.target is not None:  # --target: fits there, not here
         return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
-                f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: needs "
-                f"{format_bytes(local.need)}, {format_bytes(-(local.margin or 0))} short")
+                f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: "
+                f"{need_phrase(local)}, {format_bytes(-(local.margin or 0))} short")
     short = -(check.margin or 0)
     first = next((o for o in check.options if o.fits), None)
     hint = f"; {OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
     where = target_label(check.target) if check.target is not None else check.device
     both = (f"; nor on this machine ({'RAM' if local.device == 'cpu' else local.device}): "
             f"{format_bytes(-(local.margin or 0))} short" if local is not None else "")
-    return one_line(f"--strict: line {check.call.line} will not fit on {where}: needs {format_bytes(check.need)}, "
+    return one_line(f"--strict: line {check.call.line} will not fit on {where}: {need_phrase(check)}, "
                     f"{format_bytes(short)} short{both}{hint}")
 
 
