@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "OffloadCheck", "Preflight", "Severity", "Verdict"]
 
-LoadKind = Literal["from_pretrained", "torch.load", "load_file"]
+# "pipeline": transformers.pipeline(task, model=...), a from_pretrained underneath; "vllm": vllm.LLM(model=...)
+LoadKind = Literal["from_pretrained", "torch.load", "load_file", "pipeline", "vllm"]
 Verdict = Literal["fits", "will-not-fit", "unknown"]
 LintCode = Literal["map-location", "weights-only", "safetensors-sibling", "training-checkpoint", "fp32-of-half"]
 Severity = Literal["warning", "info"]
@@ -47,6 +48,11 @@ class LoadCall:
     cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
     notes: tuple[str, ...] = ()
     skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
+    # vllm.LLM: the share of each GPU it reserves up front, the context one sequence may reach
+    # (None: config.json's max_position_embeddings), and how many GPUs split the weights and the KV cache
+    memory_utilization: float | None = None
+    max_model_len: int | None = None
+    tensor_parallel: int = 1
 
 
 @dataclass(frozen=True)
@@ -103,10 +109,17 @@ class FitCheck:
     # a training checkpoint's optimizer/scheduler state, beside `parameters` (which counts the model only)
     optimizer_elements: int = 0
     optimizer_bytes: int = 0
+    # vllm.LLM: what it reserves up front on this GPU (gpu_memory_utilization × total); `need` is its
+    # share of the weights plus the KV cache of one max_model_len sequence (`kv_cache`) and must fit inside
+    reserve: int | None = None
+    kv_cache: int | None = None
+    max_model_len: int | None = None
 
     @property
     def budget(self) -> int | None:
-        """Bytes the load may use: free − context − headroom (device + RAM for device_map="auto")."""
+        """Bytes the load may use: free − context − headroom (device + RAM for device_map="auto"; vLLM: its reserve)."""
+        if self.reserve is not None:
+            return self.reserve
         if self.split:
             return sum(b for _, b in self.split)
         if self.free is None:

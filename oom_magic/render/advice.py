@@ -60,7 +60,7 @@ def option_code(option: FitOption) -> str:
     rest = f"torch.{option.dtype}" if option.dtype else "torch.bfloat16"
     kind = option.kind
     if kind == "bfloat16":
-        return "dtype=torch.bfloat16"
+        return f"dtype=torch.{option.dtype or 'bfloat16'}"
     if kind == "int8":
         return f"quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype={rest}"
     if kind == "nf4":
@@ -105,14 +105,27 @@ def target_label(target: Target) -> str:
     return f"{'an' if vowel else 'a'} {place}"
 
 
-def _verdict_word(fits: bool | None) -> str:
-    return "fits" if fits else "unknown" if fits is None else "too big"
+# Where bitsandbytes runs, said once under the options that need it (its installation guide, v0.48+).
+BITSANDBYTES_NOTE = ("8-bit and 4-bit loads need bitsandbytes, not installed here: pip install bitsandbytes "
+                     "(NVIDIA GPUs of compute capability 6.0+, 7.5+ for 8-bit; CPUs and Intel XPUs from 0.48; "
+                     "AMD ROCm experimental)")
+
+
+def _verdict_word(option: FitOption) -> str:
+    if option.needs:
+        return f"needs {option.needs}"
+    return "fits" if option.fits else "unknown" if option.fits is None else "too big"
 
 
 def option_rows(options: Iterable[FitOption], device: str) -> list[tuple[str, str, str, str]]:
     """(label, sizes, fits, code) for each option."""
-    return [(OPTION_LABELS.get(o.kind, o.kind), _option_sizes(o, device), _verdict_word(o.fits), option_code(o))
+    return [(OPTION_LABELS.get(o.kind, o.kind), _option_sizes(o, device), _verdict_word(o), option_code(o))
             for o in options]
+
+
+def option_notes(options: Iterable[FitOption]) -> list[str]:
+    """What the options' 'needs' mean, once each (where bitsandbytes runs and how to install it)."""
+    return [BITSANDBYTES_NOTE] if any(o.needs == "bitsandbytes" for o in options) else []
 
 
 def aligned_rows(rows: Sequence[tuple[str, ...]], indent: str) -> list[str]:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
 from ..records.shown import renders
-from .advice import (OPTION_LABELS, aligned_rows, option_code, option_rows, quantized_label, size_literal, target_label,
+from .advice import (OPTION_LABELS, aligned_rows, option_code, option_notes, option_rows, quantized_label, size_literal, target_label,
                      target_place)
 from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
@@ -73,11 +73,18 @@ def _check_lines(check: FitCheck) -> list[str]:
         if check.optimizer_elements:  # a training checkpoint: the model's count, its optimizer state beside it
             counted += (f" + optimizer state {check.optimizer_elements:,} elements "
                         f"({format_bytes(check.optimizer_bytes)}, read by torch.load too)")
+        held = format_bytes(check.need)
+        if check.kv_cache is not None and check.need is not None:  # vLLM: the weights alone here
+            held = format_bytes(check.need - check.kv_cache)
+            if call.tensor_parallel > 1:
+                held += f" per GPU (1/{call.tensor_parallel}, tensor_parallel_size={call.tensor_parallel})"
         lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
-                     f"{counted}, {format_bytes(check.need)} {as_what}")
+                     f"{counted}, {held} {as_what}")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
+    if check.reserve is not None:
+        return lines + _vllm_lines(check)
     if check.target is not None:
         return lines + _target_check_lines(check, check.target)
     if check.split:
@@ -92,7 +99,8 @@ def _check_lines(check: FitCheck) -> list[str]:
             head += f" − {format_bytes(check.context)} CUDA context (estimate; not initialized yet)"
         head += f" − {format_bytes(check.headroom)} headroom = {format_bytes(check.budget)}"
     if check.verdict == "fits":
-        peak = f" ({need_phrase(check)})" if check.ram_peak is not None else ""
+        peak = (f" at the load's RAM peak ({format_bytes(check.peak_need)}: copies beside the file pages read; "
+                f"{format_bytes(check.need)} once loaded)") if check.ram_peak is not None else ""
         lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare{peak}")
     else:
         lines.append(f"{head} → WILL NOT FIT: {need_phrase(check)}, {format_bytes(-(check.margin or 0))} short")
@@ -101,7 +109,46 @@ def _check_lines(check: FitCheck) -> list[str]:
         place = check.device if check.device != "auto" else next(
             (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
         lines += aligned_rows(option_rows(check.options, place), "    ")
+        lines += ["    " + n for n in option_notes(check.options)]
     return lines + _offload_lines(check)
+
+
+def _vllm_lines(check: FitCheck) -> list[str]:
+    """vLLM: its reservation against what is free, then weights + one sequence's KV cache inside it."""
+    assert check.reserve is not None and check.need is not None and check.free is not None
+    call, kv, length = check.call, check.kv_cache or 0, check.max_model_len or 0
+    total = round(check.reserve / (call.memory_utilization or 0.9))
+    where = f"on {target_label(check.target)}" if check.target is not None else check.device
+    free = check.free - check.context
+    context = f" − {format_bytes(check.context)} CUDA context" if check.context else ""
+    head = (f"  {where}: vLLM reserves {format_bytes(check.reserve)} up front (gpu_memory_utilization "
+            f"{call.memory_utilization:g} × {format_bytes(total)}); {format_bytes(check.free)} free{context}")
+    inside = (f"{format_bytes(check.need - kv)} of weights + {format_bytes(kv)} of KV cache for one "
+              f"{length:,}-token sequence = {format_bytes(check.need)}")
+    if check.reserve > free:
+        most = free / total if total else 0.0
+        return [head + f" → WILL NOT FIT: vLLM refuses to start, {format_bytes(check.reserve - free)} short "
+                       f"of its reservation",
+                f"  (it needs {inside}; gpu_memory_utilization={_floor2(most):g} is the most this GPU has free)"]
+    if check.need <= check.reserve:
+        return [head + f" → fits: needs {inside}, {format_bytes(check.reserve - check.need)} to spare "
+                       "(activations and CUDA graphs, profiled at startup, come out of it)"]
+    lines = [head + f" → WILL NOT FIT: needs {inside}, {format_bytes(check.need - check.reserve)} short"]
+    per_token = kv // length if length else 0
+    room = check.reserve - (check.need - kv)
+    if per_token and room > 0:
+        lines.append(f"  max_model_len={room // per_token:,} fits in the reservation")
+    if total and check.need <= free:
+        lines.append(f"  gpu_memory_utilization={_ceil2(check.need / total):g} holds it")
+    return lines
+
+
+def _floor2(x: float) -> float:
+    return int(x * 100) / 100
+
+
+def _ceil2(x: float) -> float:
+    return -int(-x * 100 // 1) / 100
 
 
 def need_phrase(check: FitCheck) -> str:
@@ -134,6 +181,7 @@ def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
     if check.options:
         lines.append(f"  ways to fit on {label} (sizes for this model; RAM and disk are this machine's):")
         lines += aligned_rows(option_rows(check.options, place), "    ")
+        lines += ["    " + n for n in option_notes(check.options)]
     return lines + _offload_lines(check)
 
 
