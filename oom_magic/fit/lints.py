@@ -19,7 +19,7 @@ def load_lints(call: LoadCall, estimate: Any, keys: CheckpointKeys | None, load_
     found: list[Lint] = []
     if call.kind == "torch.load":
         found += _torch_load_lints(call, estimate, keys)
-    if call.kind == "from_pretrained" and estimate is not None:
+    if call.kind in ("from_pretrained", "pipeline") and estimate is not None:
         declared = estimate.declared_dtype
         if load_dtype == "float32" and declared in ("bfloat16", "float16") and call.quantization is None \
                 and call.cast_to in (None, "float32"):

@@ -325,6 +325,8 @@ def _describe_pipeline(node: ast.Call, stmt: ast.stmt, resolver: Resolver, paren
     """transformers.pipeline(task, model=..., device=..., device_map=..., dtype=..., model_kwargs=...): a from_pretrained."""
     notes: list[str] = []
     model_node = _arg(node, 1, "model")
+    checkpoint: str | None
+    unresolved: str | None
     if model_node is None:
         checkpoint, unresolved = None, "pipeline() without model= loads the task's default model, chosen when the cell runs"
     else:
@@ -367,6 +369,8 @@ def _describe_vllm(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: 
     """vllm.LLM(model=, dtype=, quantization=, gpu_memory_utilization=, max_model_len=, tensor_parallel_size=)."""
     notes: list[str] = []
     model_node = _arg(node, 0, "model")
+    checkpoint: str | None
+    unresolved: str | None
     if model_node is None:
         checkpoint, unresolved = None, "LLM() without model= names no checkpoint"
     else:

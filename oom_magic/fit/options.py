@@ -50,6 +50,8 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
         return None if budget is None else nbytes <= budget
 
     options: list[FitOption] = []
+    if loader == "vllm":
+        return ()  # vLLM's own knobs (gpu_memory_utilization, max_model_len) are said with its verdict
     if loader == "torch.load":
         if device != "cpu":
             options.append(FitOption("map-location-cpu", 0, fits(need, ram_budget), cpu_bytes=need))

@@ -286,7 +286,8 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
     check = FitCheck(call=call, device=resolved, verdict="unknown", reason=why, need=need, dtype=dtype, free=free,
                      context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                      declared_dtype=estimate.declared_dtype, files=len(estimate.files), estimate=estimate,
-                     process_cap=budgets.limits.get(place), target=budgets.target, **_optimizer_state(estimate))
+                     process_cap=budgets.limits.get(place), target=budgets.target, optimizer_elements=getattr(estimate, "optimizer_elements", 0),
+                    optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
     if free is None:
         return check, lints
     peak = _ram_peak(call, estimate, dtype) if place == "cpu" else None
@@ -390,13 +391,9 @@ def _unknown(call: LoadCall, where: str | None, reason: str, estimate: Any = Non
                     format=estimate.format if estimate is not None else None,
                     declared_dtype=estimate.declared_dtype if estimate is not None else None,
                     files=len(estimate.files) if estimate is not None else 0, estimate=estimate,
-                    **_optimizer_state(estimate))
+                    optimizer_elements=getattr(estimate, "optimizer_elements", 0),
+                    optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
 
-
-def _optimizer_state(estimate: Any) -> dict[str, int]:
-    """A training checkpoint's optimizer state (elements, bytes) for the FitCheck, beside its model's parameters."""
-    return {"optimizer_elements": getattr(estimate, "optimizer_elements", 0),
-            "optimizer_bytes": getattr(estimate, "optimizer_bytes", 0)}
 
 
 def _check_vllm(call: LoadCall, estimate: Any, budgets: _Budgets) -> FitCheck:
@@ -454,7 +451,8 @@ def _check_auto(call: LoadCall, estimate: Any, need: int, dtype: str | None, bud
                     context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                     declared_dtype=estimate.declared_dtype, split=tuple(split), options=options,
                     files=len(estimate.files), estimate=estimate, target=budgets.target, offload=offload,
-                    **_optimizer_state(estimate))
+                    optimizer_elements=getattr(estimate, "optimizer_elements", 0),
+                    optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
 
 
 class _PipelineEstimate:
