@@ -103,7 +103,15 @@ class _Budgets:
         """The compute capability of the GPU the weights go to (the --target's, from gpus.json), when known."""
         if self.target is not None and device != "cpu":
             return self.target.compute_capability
-        return None
+        if not device.startswith("cuda"):
+            return None
+        from ..device.nvml import default_nvml, nvml_device_for_torch
+
+        try:
+            found = nvml_device_for_torch(self.nvml or default_nvml(), int(device.partition(":")[2] or 0))
+        except Exception:  # the capability only picks float16 over bfloat16: never a reason to fail the check
+            return None
+        return found.compute_capability if found is not None else None
 
     def headroom(self, total: int | None, free: int | None) -> int:
         return parse_headroom(self.headroom_spec, total if total is not None else free)

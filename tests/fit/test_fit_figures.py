@@ -330,3 +330,23 @@ def test_code_without_a_load_call_says_so_in_one_line():
         "no load call found (from_pretrained, pipeline, vllm.LLM, torch.load, load_file): nothing to size",)
     done = run_fit("x = 1 + 1")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no load call found" in done.stderr
+
+
+def test_a_local_t4_gets_float16_not_bfloat16(models, use_nvml, ip):
+    """This machine's own GPU (a FAKE NVML T4: compute capability 7.5, no GPU here) decides the half dtype too."""
+    from oom_magic.device.nvml import Nvml
+    from tests.fakes.fake_pynvml import FakeGpu, FakeNvml
+
+    use_nvml(Nvml(FakeNvml([FakeGpu(name="Tesla T4", total=15360 * MiB, used=15000 * MiB,
+                                    compute_capability=(7, 5))]).module))
+    from IPython.core.error import UsageError
+
+    ip.user_ns["path"] = str(models["fp32"])
+    with pytest.raises(UsageError) as info:  # --strict: refused before anything runs
+        ip.run_cell_magic("guardload", "--strict --device cuda:0 --headroom 0",
+                          "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map='cuda')\n")
+    assert "will not fit on cuda:0" in str(info.value)
+    check = oom_magic.fit_check(f"m = AutoModelForCausalLM.from_pretrained({str(models['fp32'])!r}, "
+                                "dtype=torch.float32, device_map='cuda')").checks[0]
+    half = next(o for o in check.options if o.kind == "bfloat16")
+    assert half.dtype == "float16" and half.code() == "dtype=torch.float16"
