@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from IPython.utils.capture import capture_output
+
 from oom_magic.guard.diagnose import diagnose
 from oom_magic.render.guard import diagnosis_text, script_wording
 
@@ -39,8 +41,11 @@ def test_a_script_gets_the_fit_check_and_hints_without_magics(tmp_path):
                 model = load()
         except RuntimeError as exc:
             print("RAISED", type(exc).__name__)
+        print("LATER")  # issue 25 point 8: printed later, the report keeps the script's words
+        print(guard.report)
+        print(repr(guard.report.made_in))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=180,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     out = done.stdout
     assert f"FIT True {512 * 512 * 4}" in out, done.stderr
@@ -49,6 +54,23 @@ def test_a_script_gets_the_fit_check_and_hints_without_magics(tmp_path):
     assert "retry: running the load again needs at least 1024.00 TiB" in out
     for magic_words in ("%freeall", "%%guardload", "failed cell", "the cell", "kernel"):
         assert magic_words not in out, magic_words
+    later = out.split("LATER\n", 1)[1]
+    assert "what the failed load had allocated (32.00 MiB) was given back" in later
+    assert "retry: running the load again needs at least 1024.00 TiB" in later and "'script'" in later
+
+
+def test_a_report_made_in_ipython_keeps_its_magic_hints(ip):
+    """The other side of issue 25 point 8: a report made by %%guardload names the magics, printed when it may be."""
+    ip.run_cell("import torch")
+    ip.run_line_magic("config", "OomMagics.guard_raise = False")  # the magic returns the report
+    try:
+        with capture_output():
+            report = ip.run_cell_magic("guardload", "--device cpu",
+                                       "partial = torch.ones(32 << 20, dtype=torch.uint8)\n"
+                                       "w = torch.empty(1 << 50, dtype=torch.uint8)")
+    finally:
+        ip.run_line_magic("config", "OomMagics.guard_raise = True")
+    assert report.made_in == "ipython" and "the failed cell" in str(report)
 
 
 def test_script_wording_names_python_calls_for_every_magic_hint():

@@ -37,7 +37,7 @@ from .rehearsal import apply_cap, force_restore, plan_rehearsal, restore_failed
 from .printer import GuardPrinter, refusal_message, short_exception
 from .oom import is_out_of_memory, parse_oom_message
 from ..fit.preflight import Preflight, parse_headroom
-from ..records.guard import (AllocatorSetting, Attempt, GiveBack, GuardReport, Outcome, PeakReading, Rehearsal,
+from ..records.guard import (AllocatorSetting, Attempt, GiveBack, GuardReport, MadeIn, Outcome, PeakReading, Rehearsal,
                             VariableUse)
 from ..heap.roots import current_shell
 from ..fit.targets import Target, cap_released, hold_cap, parse_target
@@ -154,7 +154,8 @@ class GuardedLoad:
         self.shell = shell if shell is not None or namespace is not None else current_shell()
         self.namespace = namespace if namespace is not None else (
             getattr(self.shell, "user_ns", None) or sys.modules["__main__"].__dict__)
-        self.printer = printer if printer is not None else GuardPrinter(out, quiet)
+        self.made_in: MadeIn = "script" if current_shell() is None else "ipython"
+        self.printer = printer if printer is not None else GuardPrinter(out, quiet, script=self.made_in == "script")
         self.format_traceback = format_traceback or format_user_traceback
         self.label = label
         self.env = os.environ if env is None else env
@@ -511,7 +512,8 @@ class GuardedLoad:
         return GuardReport(device=run.device, outcome=outcome, attempts=tuple(run.attempts), cleanup=run.cleanup,
                            allocator=run.allocator, preflight=run.preflight, before=before, after=after,
                            seconds=seconds, delta=delta, tensor_delta=tensor_delta, peak=peak, variables=variables,
-                           snapshot=run.history, notes=tuple(run.notes), label=self.label, rehearsal=run.rehearsal)
+                           snapshot=run.history, notes=tuple(run.notes), label=self.label, rehearsal=run.rehearsal,
+                           made_in=self.made_in)
 
 
 class _AttemptContext:

@@ -27,13 +27,14 @@ __all__ = ["GuardPrinter", "refusal_message", "short_exception"]
 class GuardPrinter:
     """Prints the guard's progress; ``quiet`` keeps only warnings and out-of-memory forensics."""
 
-    def __init__(self, out: TextIO | None = None, quiet: bool = False) -> None:
+    def __init__(self, out: TextIO | None = None, quiet: bool = False, *, script: bool | None = None) -> None:
         self.out = out
         self.quiet = quiet
+        self.script = current_shell() is None if script is None else script  # no magics or cells to point at
 
     def say(self, text: str, *, always: bool = False) -> None:
         """Print one message (the one place the guard prints)."""
-        if text and current_shell() is None:  # a script: no magics or cells to point at
+        if text and self.script:
             text = script_wording(text)
         if text and (always or not self.quiet):
             print(text, file=self.out if self.out is not None else sys.stdout, flush=True)

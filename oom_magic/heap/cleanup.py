@@ -16,6 +16,7 @@ from ..common.errors import OomMagicError
 from .holders import Attribution, attribute
 from ..device.nvml import Nvml
 from ..records.cleanup import FreeReport, StillHeld
+from ..device.mapped import file_mappings, mapped_bytes
 from ..records.snapshot import OTHER, STALE_KINDS, TRACEBACK, HolderKind, StorageRecord
 from .release import clear_frames, empty_cache, forget_last_exception
 from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
@@ -51,6 +52,8 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
                           ("torch is not imported in this process: there are no tensors to free",))
     types = tensor_types(torch)
     # Every reference to the user's objects lives inside _act and is gone when it returns.
+    # cpu: the file mappings as they were, to tell which freed bytes were file pages (unmapped once freed).
+    maps_before = file_mappings() if where == "cpu" else None
     storages, kind_before, named, survivors = _act(torch, types, where, shell, namespace, names, dry_run)
     notes: list[str] = []
     if not dry_run and TRACEBACK in kind_before.values():
@@ -90,8 +93,12 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
     by_kind: dict[HolderKind, int] = {}
     for key in gone:
         by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
+    freed_mapped = None
+    if maps_before is not None:
+        freed_mapped = mapped_bytes(((storages[k].address, storages[k].bytes) for k in gone if storages[k].address),
+                                    maps_before)
     return FreeReport(where, sum(by_kind.values()), tuple(sorted(by_kind.items())), before, after,
-                      deleted, still, dry_run, tuple(notes))
+                      deleted, still, dry_run, tuple(notes), freed_mapped)
 
 
 def _named_variables(names: Iterable[str], namespace: dict) -> tuple[str, ...]:

@@ -5,14 +5,15 @@ The record it returns (``Snapshot``) lives in ``records.snapshot``; it is re-exp
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from ..common._torch import loaded_torch
 from ..device.reading import DeviceReading, read_device, resolve_device
 from .holders import attribute, attribute_reachable
-from ..device.mapped import mapped_bytes
+from ..device.mapped import file_pages, process_file_resident
 from ..device.nvml import Nvml
 from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
-from ..records.snapshot import HOLDER_KINDS, USER, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
+from ..records.snapshot import HOLDER_KINDS, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
 from .roots import Roots, collect_roots
 from .tracker import find_tensors, pins_nothing, tensor_types
 
@@ -35,8 +36,10 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     kernels = _kernels_on(reading) if name_kernels else ()
     torch = loaded_torch()
     if torch is None:
+        pages = _with_file_pages(())[1] if where == "cpu" else None  # this process's own file pages still count
         return Snapshot(where, reading, (), (), time.perf_counter() - started, 0, True,
-                        ("torch is not imported in this process: no tensors to attribute",), top, kernels=kernels)
+                        ("torch is not imported in this process: no tensors to attribute",), top, kernels=kernels,
+                        file_pages=pages)
     roots = roots if roots is not None else collect_roots()
     types = tensor_types(torch)
     if heap_scan:
@@ -77,16 +80,38 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     # How to free what a path alone does not say how to (an lru cache: `cached.cache_clear()`), once each.
     hints = dict.fromkeys(h.hint for h in holders.values() if h.hint)
     notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
-    user_mapped = None
+    pages = None
     if where == "cpu":
-        user_mapped = mapped_bytes((r.address, r.bytes) for r in storages if r.holder_kind == USER and r.address)
-        if user_mapped:
-            notes.append(f"{format_bytes(user_mapped)} of user is mapped from files (weights loaded in their "
-                         "stored dtype): resident only once read, and deleting them gives no resident memory back")
+        storages, pages = _with_file_pages(storages)
+        if pages is not None and pages.mapped_bytes:
+            resident = (f", {format_bytes(pages.resident)} of it in memory now" if pages.resident is not None
+                        else f", at most {format_bytes(pages.process_file_resident)} of it in memory now"
+                        if pages.process_file_resident is not None else "")
+            notes.append(f"{format_bytes(pages.mapped_bytes)} of tensors are views of "
+                         f"{format_bytes(pages.file_bytes)} of {pages.files} memory-mapped "
+                         f"file{'s' if pages.files != 1 else ''}{resident} (weights loaded in their stored dtype): "
+                         "file pages, which the kernel can drop, so the bar counts them as available, not used; "
+                         "deleting those tensors gives no memory back")
     storages = tuple(sorted(storages, key=lambda r: -r.bytes))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
                     live.objects_scanned, attribution.complete, tuple(notes), top, heap_scan=heap_scan,
-                    kernels=kernels, user_mapped_bytes=user_mapped)
+                    kernels=kernels, file_pages=pages)
+
+
+def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[StorageRecord, ...], FilePages | None]:
+    """cpu: mark each storage's bytes that are views of a memory-mapped file, and sum them by holder kind."""
+    views = file_pages((r.address, r.bytes) for r in storages)
+    if views is None:
+        return storages, None  # not Linux: no /proc/self/maps to tell file pages from anonymous memory
+    by_kind: dict[HolderKind, int] = {}
+    marked = []
+    for record, mapped in zip(storages, views.mapped):
+        if mapped:
+            by_kind[record.holder_kind] = by_kind.get(record.holder_kind, 0) + mapped
+            record = replace(record, mapped_bytes=mapped)
+        marked.append(record)
+    return tuple(marked), FilePages(tuple(sorted(by_kind.items())), views.file_bytes, views.resident, views.files,
+                                    process_file_resident())
 
 
 # Seconds each Jupyter server may take to name its kernels (at most one second in all per server).

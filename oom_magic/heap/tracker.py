@@ -261,7 +261,8 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
             # Prefer the largest view's shape so the table shows the weight, not a slice of it.
             best = group[4] if group[4] is not None else reader.shape(group[2])
             shape = reader.shape(tensor)
-            if _numel(shape) > _numel(best):
+            # Equal size: the view with more dimensions (load_file's 16000×512 weight, not its flat base).
+            if (_numel(shape), len(shape)) > (_numel(best), len(best)):
                 group[2], group[4] = tensor, shape
             else:
                 group[4] = best

@@ -139,7 +139,7 @@ class OomMagics(Magics):
     @argument("--device", "-d", default=None, help="Device to show: cuda, cuda:N, cpu or mps (default: the current CUDA device, else cpu).")
     @argument("--top", "-n", type=int, default=None, help="How many holders to list (default: OomMagics.top).")
     @argument("--all", "-a", action="store_true", help="List every holder, not only the top N.")
-    @argument("--json", action="store_true", help="Show the snapshot as JSON instead of a table.")
+    @argument("--json", action="store_true", help="Show the snapshot as JSON instead of a table: the --top N holders and storages, with how many there are (--all: every one).")
     @argument("-o", dest="output", action="store_true",
               help="Return the Snapshot (or, with --auto/--pin, the settings; with --plot, the Timeline) instead of "
                    "showing it, as %%timeit -o does: `snap = %%gpumem -o`.")

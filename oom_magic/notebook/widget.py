@@ -413,7 +413,12 @@ class CellWatch:
         records: tuple[CellRecord, ...] = self.watcher.records()
         if device is not None:
             device = resolve_device(device)
-        return plot_timeline(records, device=device, path=path)
+        timeline = plot_timeline(records, device=device, path=path)
+        if path is None and getattr(self.shell, "kernel", None) is None:
+            # Terminal IPython draws no pictures: say where one goes instead of a bare repr.
+            timeline = replace(timeline, note="this terminal shows no pictures: %gpumem --plot PATH saves the "
+                                              "timeline as a PNG there (e.g. %gpumem --plot timeline.png)")
+        return timeline
 
 
 def _widgets_missing() -> str | None:

@@ -37,6 +37,9 @@ class FreeReport(Shown):
     still_held: tuple[StillHeld, ...] = ()
     dry_run: bool = False
     notes: tuple[str, ...] = ()
+    # cpu: of freed_bytes, views of a memory-mapped file: file pages, so no memory came back for them;
+    # None where not read (a GPU, not Linux).
+    freed_mapped: int | None = None
 
     @property
     def resident_freed(self) -> int | None:

@@ -25,6 +25,8 @@ Outcome = Literal["ok", "oom", "error"]
 AllocatorAction = Literal["set", "already-on", "user-off", "needs-restart", "off", "not-cuda"]
 PeakMeasure = Literal["allocated", "resident", "none"]
 ChangeKind = Literal["new", "rebound", "grew", "shrank"]
+# Where a guarded load ran: its hints name magics and cells in IPython, Python calls in a script.
+MadeIn = Literal["ipython", "script"]
 RehearsalReason = Literal["not-cuda", "not-larger", "torch-not-imported", "cuda-not-initialized", "cap-failed"]
 
 
@@ -170,6 +172,7 @@ class GuardReport(Shown):
     notes: tuple[str, ...] = ()
     label: str = "guard_load"  # '%%guardload' in the magic
     rehearsal: Rehearsal | None = None  # --target: how the load was rehearsed for that GPU
+    made_in: MadeIn = "ipython"  # printed later, the report still phrases its hints for where it was made
 
     @property
     def last(self) -> Attempt:

@@ -28,7 +28,8 @@ HOLDER_KINDS: Final[tuple[HolderKind, ...]] = (USER, OUTPUT_CACHE, TRACEBACK, GA
 
 View = Literal["table", "json"]
 # The parts of a device the bar and tables show, in their fixed order (render.segments names them).
-SegmentKey = Literal["user", "stale", "other", "process-rest", "untracked", "cache", "context", "others", "free"]
+SegmentKey = Literal["user", "stale", "other", "process-rest", "untracked", "cache", "context", "others", "mapped",
+                     "free"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class StorageRecord:
     holder_kind: HolderKind = "other"
     holder_path: str | None = None
     address: int = 0  # the storage's data pointer (0: not read): tells file-mapped bytes on the cpu
+    mapped_bytes: int = 0  # cpu: of bytes, a view of a memory-mapped file (file pages, not anonymous memory)
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,32 @@ class HolderGroup:
     storages: int
     dtype: str
     shape: tuple[int, ...]
+    mapped_bytes: int = 0  # cpu: of bytes, views of a memory-mapped file
+
+
+@dataclass(frozen=True)
+class FilePages:
+    """cpu: the tensors that are views of memory-mapped files (safetensors weights in their stored dtype).
+
+    Those bytes are the file's pages, not this process's anonymous memory: in memory only once
+    read, counted by the kernel as available (it can drop them), and freeing the tensors gives
+    none of it back. The bar shows this process's file pages in memory now beside free, never as used.
+    """
+
+    mapped_by_kind: tuple[tuple[HolderKind, int], ...]  # tensor bytes that are views of a file, per holder kind
+    file_bytes: int             # distinct file bytes those views cover (one file loaded twice counts once)
+    resident: int | None        # of file_bytes, the pages in memory now; None where not looked up (too many pages)
+    files: int                  # how many distinct files the views come from
+    process_file_resident: int | None  # this process's resident set that is file pages (Linux RssFile)
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Tensor bytes, of every holder kind, that are views of a memory-mapped file."""
+        return sum(b for _, b in self.mapped_by_kind)
+
+    def kind_bytes(self, kind: HolderKind) -> int:
+        """Of one holder kind's tensor bytes, those that are views of a file."""
+        return dict(self.mapped_by_kind).get(kind, 0)
 
 
 @dataclass(frozen=True)
@@ -85,9 +113,9 @@ class Snapshot(Shown):
     heap_scan: bool = True  # False: the quick view (no heap pass; garbage and library-held not found)
     # Other processes that are kernels of this user's Jupyter servers: (pid, notebook and how to stop it).
     kernels: tuple[tuple[int, KernelInfo], ...] = ()
-    # cpu: bytes of your variables' storages that are views of a memory-mapped file (safetensors
-    # weights in their stored dtype): not resident until read; None where not read (not Linux, CUDA).
-    user_mapped_bytes: int | None = None
+    # cpu: the tensors that are views of memory-mapped files, and this process's file pages;
+    # None where not read (not Linux, a GPU).
+    file_pages: FilePages | None = None
 
     # Figures the user asks for by name.
     def kind_bytes(self, kind: HolderKind) -> int:
@@ -115,6 +143,11 @@ class Snapshot(Shown):
         return self.kind_bytes(OTHER)
 
     @property
+    def user_mapped_bytes(self) -> int | None:
+        """cpu: of user, bytes that are views of a memory-mapped file (not resident until read); None if not read."""
+        return None if self.file_pages is None else self.file_pages.kind_bytes(USER)
+
+    @property
     def untracked_bytes(self) -> int | None:
         """Allocator total minus tracked storages (autograd graph, workspaces); None without an allocator."""
         if self.reading.allocated is None or self.device == "cpu":
@@ -123,22 +156,39 @@ class Snapshot(Shown):
 
     def parts(self) -> tuple[tuple[SegmentKey, int | None], ...]:
         """The device split into the bar's parts, in order: user | stale | other tensors | untracked |
-        cache | context | other processes | free (cpu: the rest of this process instead of the three
-        allocator parts); None where unknown."""
+        cache | context | other processes | free; None where unknown. They add up to the device.
+
+        On the cpu the tensor parts are anonymous memory only: tensors that are views of a mapped
+        file are its file pages, which the kernel counts as available; this process's file pages in
+        memory now (those weights', its libraries') are ``mapped``, beside free (the rest of
+        available). The rest of this process is its anonymous resident memory outside tensors, and
+        other processes what is used beyond it, so user + stale + other + rest + others = used, and
+        mapped + free = available.
+        """
         r = self.reading
-        found: list[tuple[SegmentKey, int | None]] = [
-            ("user", self.user_bytes), ("stale", self.stale_bytes), ("other", self.other_bytes)]
-        if self.device == "cpu":
-            rest = None if r.process_used is None else max(r.process_used - self.tracked_bytes, 0)
-            elsewhere = None
-            if r.used is not None and r.process_used is not None:
-                elsewhere = max(r.used - max(r.process_used, self.tracked_bytes), 0)
-            found += [("process-rest", rest), ("others", elsewhere)]
-        else:
-            found += [("untracked", self.untracked_bytes), ("cache", r.cache), ("context", r.context),
-                      ("others", r.other_processes_used)]
-        found.append(("free", r.free))
-        return tuple(found)
+        if self.device != "cpu":
+            return (("user", self.user_bytes), ("stale", self.stale_bytes), ("other", self.other_bytes),
+                    ("untracked", self.untracked_bytes), ("cache", r.cache), ("context", r.context),
+                    ("others", r.other_processes_used), ("free", r.free))
+        pages = self.file_pages
+        user = self.user_bytes - (pages.kind_bytes(USER) if pages else 0)
+        stale = self.stale_bytes - (sum(pages.kind_bytes(k) for k in STALE_KINDS) if pages else 0)
+        other = self.other_bytes - (pages.kind_bytes(OTHER) if pages else 0)
+        in_tensors = user + stale + other
+        anonymous = None
+        if r.process_used is not None:
+            anonymous = r.process_used - (pages.process_file_resident or 0 if pages else 0)
+        rest = None if anonymous is None else max(anonymous - in_tensors, 0)
+        elsewhere = None
+        if r.used is not None and anonymous is not None:
+            elsewhere = max(r.used - max(anonymous, in_tensors), 0)
+        mapped = None if pages is None else pages.process_file_resident
+        free = r.free
+        if mapped is not None and free is not None:
+            mapped = min(mapped, free)
+            free -= mapped
+        return (("user", user), ("stale", stale), ("other", other), ("process-rest", rest),
+                ("others", elsewhere), ("mapped", mapped), ("free", free))
 
     def holders(self, kind: HolderKind | None = None) -> tuple[HolderGroup, ...]:
         """Storages grouped by holder path, largest first (optionally one kind only)."""
@@ -154,7 +204,8 @@ class Snapshot(Shown):
         result = []
         for (k, path), rs in groups.items():
             largest = max(rs, key=lambda r: r.bytes)
-            result.append(HolderGroup(k, path, sum(r.bytes for r in rs), len(rs), largest.dtype, largest.shape))
+            result.append(HolderGroup(k, path, sum(r.bytes for r in rs), len(rs), largest.dtype, largest.shape,
+                                      sum(r.mapped_bytes for r in rs)))
         return tuple(sorted(result, key=lambda g: (-g.bytes, g.path)))
 
     def held_by(self, path_prefix: str) -> int:
@@ -163,9 +214,15 @@ class Snapshot(Shown):
                    if r.holder_path is not None and _path_under(r.holder_path, path_prefix))
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict of every figure (int bytes, None where unknown)."""
+        """A JSON-ready dict of every figure (int bytes, None where unknown).
+
+        The holders and storages lists are the ``top_n`` largest, as the table lists them (0: all),
+        with how many there are in all: a big heap's every storage is ``%gpumem --json --all``.
+        """
         reading = record_dict(self.reading)
         reading.update(cache=self.reading.cache, context=self.reading.context)
+        holders, storages = self.holders(), self.storages  # storages are sorted largest first
+        listed = (holders, storages) if self.top_n <= 0 else (holders[: self.top_n], storages[: self.top_n])
         return {
             "device": self.device,
             "reading": reading,
@@ -176,9 +233,13 @@ class Snapshot(Shown):
             "tracked_bytes": self.tracked_bytes,
             "untracked_bytes": self.untracked_bytes,
             "user_mapped_bytes": self.user_mapped_bytes,  # cpu: of user, views of a memory-mapped file
+            "file_pages": None if self.file_pages is None else {
+                **record_dict(self.file_pages), "mapped_by_kind": dict(self.file_pages.mapped_by_kind)},
             "segments": dict(self.parts()),
-            "holders": record_dict(self.holders()),
-            "storages": record_dict(self.storages),
+            "holders_total": len(holders),
+            "holders": record_dict(listed[0]),
+            "storages_total": len(storages),
+            "storages": record_dict(listed[1]),
             "scan_seconds": self.scan_seconds,
             "objects_scanned": self.objects_scanned,
             "attribution_complete": self.attribution_complete,

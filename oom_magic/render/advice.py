@@ -5,6 +5,7 @@ Shared by the preflight text, the diagnosis and the guard's report.
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import TYPE_CHECKING
 from collections.abc import Iterable, Sequence
 
@@ -123,16 +124,34 @@ def option_rows(options: Iterable[FitOption], device: str) -> list[tuple[str, st
             for o in options]
 
 
-def option_notes(options: Iterable[FitOption]) -> list[str]:
-    """What the options' 'needs' mean, once each (where bitsandbytes runs and how to install it)."""
-    return [BITSANDBYTES_NOTE] if any(o.needs == "bitsandbytes" for o in options) else []
+# Columns a plain-text line may take: JupyterLab breaks a longer output line wherever it runs out, mid-word.
+TEXT_WIDTH = 100
+
+
+def option_notes(options: Iterable[FitOption], indent: str = "") -> list[str]:
+    """What the options' 'needs' mean, once each (where bitsandbytes runs and how to install it), wrapped."""
+    if not any(o.needs == "bitsandbytes" for o in options):
+        return []
+    return textwrap.wrap(BITSANDBYTES_NOTE, TEXT_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def aligned_rows(rows: Sequence[tuple[str, ...]], indent: str) -> list[str]:
+    """Rows in aligned columns; when a row would pass TEXT_WIDTH, every row's last column (the code to
+    write) goes on the lines below it, wrapped between arguments, never inside a word."""
     if not rows:
         return []
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return [(indent + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1]).rstrip() for r in rows]
+    heads = [(indent + "  ".join(c.ljust(w) for c, w in zip(r[:-1], widths))).rstrip() for r in rows]
+    whole = [(head + "  " + r[-1]).rstrip() for head, r in zip(heads, rows)]
+    if max(map(len, whole)) <= TEXT_WIDTH:
+        return whole
+    lines = []
+    for head, r in zip(heads, rows):
+        lines.append(head)
+        lines += textwrap.wrap(r[-1], TEXT_WIDTH, initial_indent=indent + "  ", subsequent_indent=indent + "    ",
+                               break_long_words=False, break_on_hyphens=False)
+    return lines
 
 
 renders(FitOption, option_code)

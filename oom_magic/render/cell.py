@@ -9,10 +9,10 @@ from __future__ import annotations
 from ..records.cell import CellReport, WatchStatus
 from ..records.cleanup import FreeReport
 from ..records.shown import renders
-from ..records.snapshot import Snapshot
-from .html import bar_html, bar_legend_html
+from ..records.snapshot import STALE_KINDS, Snapshot
+from .html import bar_html, bar_legend_html, table_html
 from .segments import memory_segments
-from .text import bar, table
+from .text import bar, freed_mapped_text, holder_kind_cell, table
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 DETAIL_HOLDERS = 5
@@ -44,9 +44,14 @@ def cell_caption(report: CellReport, *, pinned: bool = False, as_of: bool = Fals
     if change is not None and change.oom:
         parts.append("out of memory")
     # The quick view (no heap scan) sees the output cache and tracebacks, not garbage.
-    parts.append(f"stale {format_bytes(snap.stale_bytes)}" + ("" if snap.heap_scan else " (quick view)"))
+    pages = snap.file_pages
+    mapped = sum(pages.kind_bytes(k) for k in STALE_KINDS) if pages is not None else 0
+    parts.append(f"stale {format_bytes(snap.stale_bytes)}" + ("" if snap.heap_scan else " (quick view)")
+                 + (f" ({format_bytes(mapped)} of it file pages)" if mapped else ""))
     if report.freed is not None:
-        parts.append(f"freed {format_bytes(report.freed.freed_bytes)}")
+        freed_mapped = report.freed.freed_mapped
+        parts.append(f"freed {format_bytes(report.freed.freed_bytes)}"
+                     + (f" ({format_bytes(freed_mapped)} of it file pages: no memory back)" if freed_mapped else ""))
     return " · ".join(parts)
 
 
@@ -59,7 +64,8 @@ def freed_line(freed: FreeReport) -> str:
     """``freed 1.20 GiB (output-cache 1.20 GiB)`` and the cleanup's notes, in one line."""
     kinds = ", ".join(f"{k} {format_bytes(b)}" for k, b in freed.freed_by_kind if b)
     line = f"freed {format_bytes(freed.freed_bytes)}" + (f" ({kinds})" if kinds else "")
-    return "; ".join([line, *freed.notes])
+    mapped = freed_mapped_text(freed)
+    return "; ".join([line, *([mapped] if mapped else []), *freed.notes])
 
 
 def cell_details_html(snap: Snapshot, top: int = DETAIL_HOLDERS) -> str:
@@ -67,27 +73,18 @@ def cell_details_html(snap: Snapshot, top: int = DETAIL_HOLDERS) -> str:
     parts = []
     groups = snap.holders()
     if groups:
-        rows = "".join(
-            f"<tr><td><code>{escape(g.path)}</code></td><td>{escape(format_bytes(g.bytes))}</td>"
-            f"<td>{escape(g.dtype)}</td><td>{escape(_shape(g.shape))}</td><td>{escape(g.kind)}</td></tr>"
-            for g in groups[:top]
-        )
-        parts.append(f"<div><b>top holders</b> ({min(top, len(groups))} of {len(groups)})</div>"
-                     "<table class='oom-holders'><thead><tr><th style='text-align:left'>holder</th><th>bytes</th>"
-                     f"<th>dtype</th><th>shape</th><th>kind</th></tr></thead><tbody>{rows}</tbody></table>")
+        parts.append(f"<div><b>top holders</b> ({min(top, len(groups))} of {len(groups)})</div>")
+        parts.append(table_html(("holder", "bytes", "dtype", "shape", "kind"), [
+            (g.path, format_bytes(g.bytes), g.dtype, _shape(g.shape), holder_kind_cell(g)) for g in groups[:top]],
+            "oom-holders", code_column=0))
     else:
         parts.append("<div>no tensors on this device</div>")
     processes = snap.reading.processes
     if processes:
-        rows = "".join(
-            f"<tr><td>{p.pid}</td><td>{escape(p.name or '?')}</td><td>{escape(p.user or '?')}</td>"
-            f"<td>{'Jupyter kernel' if p.is_jupyter_kernel else ''}</td><td>{escape(format_bytes(p.used_bytes))}</td>"
-            f"<td>{escape(p.note or '')}</td></tr>"
-            for p in processes
-        )
-        parts.append("<div><b>other processes</b></div><table class='oom-processes'><thead><tr><th>pid</th>"
-                     "<th>process</th><th>user</th><th>kernel</th><th>bytes</th><th>note</th></tr></thead>"
-                     f"<tbody>{rows}</tbody></table>")
+        parts.append("<div><b>other processes</b></div>")
+        parts.append(table_html(("pid", "process", "user", "kernel", "bytes", "note"), [
+            (str(p.pid), p.name or "?", p.user or "?", "Jupyter kernel" if p.is_jupyter_kernel else "",
+             format_bytes(p.used_bytes), p.note or "") for p in processes], "oom-processes"))
     notes = snap.reading.notes + snap.notes
     if notes:
         parts.append("<ul class='oom-notes'>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")

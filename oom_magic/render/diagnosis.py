@@ -119,11 +119,11 @@ def cause_text(cause: Cause, device: str = "the device", target: Target | None =
         if cause.options and target is not None:
             lines.append(f"   ways to fit on {target_label(target)} (sizes for this model):")
             lines += aligned_rows(option_rows(cause.options, target_place(target)), "     ")
-            lines += ["     " + n for n in option_notes(cause.options)]
+            lines += option_notes(cause.options, "     ")
         elif cause.options:
             lines.append("   ways to fit (sizes for this model):")
             lines += aligned_rows(option_rows(cause.options, device), "     ")
-            lines += ["     " + n for n in option_notes(cause.options)]
+            lines += option_notes(cause.options, "     ")
     elif kind == "partial-load":
         if f("given_back"):
             lines.append(f"what the failed cell had allocated ({format_bytes(f('given_back'))}) was given back; "

@@ -26,7 +26,7 @@ __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagn
            "give_back_line", "guard_report_html", "need_phrase", "guard_report_text", "lint_text", "option_code", "option_rows",
            "preflight_html", "preflight_text", "quiet_summary_html", "quiet_summary_text", "refusal_line",
            "rehearsal_line", "retry_line", "retry_text", "run_summary_text", "script_wording", "short_message",
-           "size_literal", "target_label", "target_place"]
+           "size_literal", "target_label", "target_place", "worded_for"]
 
 
 def lint_text(lint: Lint) -> str:
@@ -109,7 +109,7 @@ def _check_lines(check: FitCheck) -> list[str]:
         place = check.device if check.device != "auto" else next(
             (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
         lines += aligned_rows(option_rows(check.options, place), "    ")
-        lines += ["    " + n for n in option_notes(check.options)]
+        lines += option_notes(check.options, "    ")
     return lines + _offload_lines(check)
 
 
@@ -181,7 +181,7 @@ def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
     if check.options:
         lines.append(f"  ways to fit on {label} (sizes for this model; RAM and disk are this machine's):")
         lines += aligned_rows(option_rows(check.options, place), "    ")
-        lines += ["    " + n for n in option_notes(check.options)]
+        lines += option_notes(check.options, "    ")
     return lines + _offload_lines(check)
 
 
@@ -348,7 +348,11 @@ def _variable_line(v: VariableUse) -> str:
 
 
 def run_summary_text(report: GuardReport) -> str:
-    """The after-the-cell summary: time, delta, peak, the variables it made."""
+    """The after-the-cell summary: time, delta, peak, the variables it made (worded for where it ran)."""
+    return worded_for(report, _summary_text(report))
+
+
+def _summary_text(report: GuardReport) -> str:
     r = report
     if r.outcome == "oom":
         return one_line(short_message(r))
@@ -401,7 +405,12 @@ def guard_report_text(report: GuardReport) -> str:
     if r.snapshot and not any(a.snapshot_file for a in r.attempts):
         lines.append(one_line(f"snapshot: {r.snapshot}"))
     lines.append(run_summary_text(r))
-    return "\n".join(lines)
+    return worded_for(r, "\n".join(lines))
+
+
+def worded_for(report: GuardReport, text: str) -> str:
+    """The report's hints as they can be followed where it was made: magics in IPython, calls in a script."""
+    return script_wording(text) if report.made_in == "script" else text
 
 
 def guard_report_html(report: GuardReport) -> str:
@@ -437,6 +446,7 @@ _SCRIPT_WORDS = (
     (re.compile(r"the failed cell"), lambda m: "the failed load"),
     (re.compile(r"running the cell again"), lambda m: "running the load again"),
     (re.compile(r"what the cell allocates"), lambda m: "what the guarded code allocates"),
+    (re.compile(r"the cell raised"), lambda m: "the guarded code raised"),
 )
 
 

@@ -7,7 +7,7 @@ from ..records.cleanup import FreeReport
 from ..records.shown import renders
 from ..records.snapshot import KernelInfo, Snapshot
 from .segments import memory_segments
-from .text import free_report_text, snapshot_text, usage_line
+from .text import free_report_text, holder_kind_cell, process_resident, snapshot_text, usage_line
 from .units import escape, format_bytes  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
@@ -15,10 +15,10 @@ if TYPE_CHECKING:
 
 COLORS = {"user": "#4c78a8", "stale": "#e45756", "other": "#b279a2", "untracked": "#9d755d",
           "cache": "#f2cf5b", "context": "#bab0ac", "process-rest": "#bab0ac", "others": "#72b7b2",
-          "free": "#e8e8e8"}
+          "mapped": "#c6dbef", "free": "#e8e8e8"}
 
 
-_DARK_TEXT = frozenset({"cache", "free", "context", "process-rest"})  # light colours: dark labels on them
+_DARK_TEXT = frozenset({"cache", "free", "context", "process-rest", "mapped"})  # light colours: dark labels on them
 
 
 def bar_html(snap: Snapshot) -> str:
@@ -50,13 +50,22 @@ def bar_legend_html(snap: Snapshot) -> str:
     return f'<div class="oom-legend" style="font-size:12px;line-height:1.7;max-width:640px">{items}</div>'
 
 
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    # JupyterLab right-aligns every table cell: text columns are set left, figures stay right.
+def table_html(head: tuple[str, ...], rows: list[tuple[str, ...]], css_class: str = "oom-table",
+               code_column: int | None = None) -> str:
+    """A table whose header and cells line up: text columns left, figures right (escaped).
+
+    JupyterLab right-aligns every table cell, so each cell says its alignment; ``code_column``
+    is set in ``<code>`` (a holder's Python path).
+    """
     align = ["right" if h in _FIGURE_COLUMNS else "left" for h in head]
     th = "".join(f"<th style='text-align:{a}'>{escape(h)}</th>" for h, a in zip(head, align))
-    body = "".join("<tr>" + "".join(f"<td style='text-align:{a}'>{escape(c)}</td>" for c, a in zip(row, align))
-                   + "</tr>" for row in rows)
-    return f"<table class='oom-table'><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+    body = "".join(
+        "<tr>" + "".join(f"<td style='text-align:{a}'>" + (f"<code>{escape(c)}</code>" if i == code_column
+                                                            else escape(c)) + "</td>"
+                         for i, (c, a) in enumerate(zip(row, align))) + "</tr>" for row in rows)
+    return f"<table class='{css_class}'><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
 
 
 _FIGURE_COLUMNS = frozenset({"bytes", "storages", "pid"})
@@ -73,20 +82,22 @@ def snapshot_html(snap: Snapshot) -> str:
     """The %gpumem report as HTML: usage line, bar, split, processes, top holders."""
     r = snap.reading
     parts = [f"<div class='oom-snapshot'><b>{escape(usage_line(r))}</b>", bar_html(snap)]
-    parts.append(_table(("this process", "bytes", "what it is"),
-                        [(s.label, format_bytes(s.bytes), s.explain) for s in memory_segments(snap) if s.key != "free"]))
+    split = f"this process ({process_resident(snap)})" if snap.device == "cpu" else "this process"
+    parts.append(table_html((split, "bytes", "what it is"),
+                            [(s.label, format_bytes(s.bytes), s.explain) for s in memory_segments(snap) if s.key != "free"]))
     if r.processes:
         kernels = dict(snap.kernels)
         head = ("pid", "process", "user", "Jupyter kernel", "bytes") + (("how to stop it",) if kernels else ())
-        parts.append(_table(head, [
+        parts.append(table_html(head, [
             (str(p.pid), p.name or "?", p.user or "?", _kernel_cell(p, kernels.get(p.pid)), format_bytes(p.used_bytes))
             + ((kernels[p.pid].stop_hint if p.pid in kernels else "",) if kernels else ())
             for p in r.processes]))
     groups = snap.holders()
     if groups:
         shown = groups if snap.top_n <= 0 else groups[: snap.top_n]
-        parts.append(_table(("holder", "bytes", "dtype", "shape", "kind"), [
-            (g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar", g.kind) for g in shown]))
+        parts.append(table_html(("holder", "bytes", "dtype", "shape", "kind"), [
+            (g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar", holder_kind_cell(g))
+            for g in shown]))
     notes = r.notes + snap.notes
     if notes:
         parts.append("<ul class='oom-notes'>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")

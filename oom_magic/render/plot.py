@@ -34,6 +34,7 @@ class Timeline:
     labels: tuple[tuple[int, str], ...]      # (execution count, %%guardload label)
     path: str | None                         # where the PNG was saved
     figure: Any = field(repr=False, compare=False)
+    note: str | None = None                  # where the picture goes when this display cannot show it
 
     def values(self, name: str) -> tuple[int | None, ...]:
         """One series by its legend label ("allocated", "reserved", "peak", "RSS", ...)."""
@@ -52,8 +53,9 @@ class Timeline:
 
     def __repr__(self) -> str:
         saved = f", saved to {self.path}" if self.path else ""
-        return (f"<Timeline {self.device}: {len(self.cells)} cells, {len(self.oom_cells)} out of memory, "
-                f"{len(self.labels)} labelled{saved}>")
+        shown = (f"<Timeline {self.device}: {len(self.cells)} cells, {len(self.oom_cells)} out of memory, "
+                 f"{len(self.labels)} labelled{saved}>")
+        return f"{shown}\n{self.note}" if self.note else shown
 
 
 def _series(records: Sequence[CellRecord], device: str) -> tuple[tuple[str, tuple[int | None, ...]], ...]:
@@ -89,14 +91,14 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
         points = [(x, v / unit) for x, v in zip(cells, values) if v is not None]
         if not points:
             continue
-        xs, ys = zip(*points)
         if name.startswith("peak"):  # known for some cells only: a marker where known
-            ax.plot(xs, ys, label=name, marker="^", linestyle="none", markersize=6)
-        elif name == "tensor bytes":  # measured at scanned cells only: join those points
+            ax.plot(*zip(*points), label=name, marker="^", linestyle="none", markersize=6)
+            continue
+        xs, ys = _measured_runs(cells, values, unit)
+        if name == "tensor bytes":  # measured at scanned cells only: joined only between neighbouring ones
             ax.plot(xs, ys, label=name, marker="s", markersize=4, linewidth=1.0, linestyle="--")
         else:
-            ax.plot(cells, [math.nan if v is None else v / unit for v in values], label=name, marker="o",
-                    markersize=3, linewidth=1.5)
+            ax.plot(xs, ys, label=name, marker="o", markersize=3, linewidth=1.5)
     oom_cells = tuple(x for x, r in zip(cells, shown) if r.oom)
     where = ax.get_xaxis_transform()  # x in data, y in axes fraction
     for x in oom_cells:
@@ -104,9 +106,11 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
         ax.text(x, 0.99, " OOM", color=OOM_COLOR, transform=where, ha="left", va="top", fontsize=8)
     labels = tuple((x, r.label) for x, r in zip(cells, shown) if r.label)
     for x, label in labels:
-        ax.axvline(x, color=LABEL_COLOR, linestyle=":", linewidth=1.0)
-        ax.text(x, 0.97, _plain(label), rotation=90, color=LABEL_COLOR, transform=where, ha="right", va="top",
-                fontsize=8)
+        if x not in oom_cells:  # an out-of-memory cell has its line already
+            ax.axvline(x, color=LABEL_COLOR, linestyle=":", linewidth=1.0)
+        # At the foot of the line, left of it: "OOM" sits at its head, right of it, so the two never meet.
+        ax.text(x, 0.02, _plain(label), rotation=90, color=LABEL_COLOR, transform=where, ha="right",
+                va="bottom", fontsize=8)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("execution count")
     ax.set_ylabel(unit_name)
@@ -118,6 +122,22 @@ def plot_timeline(records: Sequence[CellRecord], *, device: str | None = None, p
     figure.tight_layout()
     saved = _save(figure, path) if path else None
     return Timeline(device, cells, series, oom_cells, labels, saved, figure)
+
+
+def _measured_runs(cells: Sequence[int], values: Sequence[int | None], unit: int) -> tuple[list[float], list[float]]:
+    """A series' points in the axis unit, broken (NaN) at unmeasured cells and where cells were not recorded,
+    so the line joins only cells measured one after the other."""
+    xs: list[float] = []
+    ys: list[float] = []
+    previous: int | None = None
+    for x, v in zip(cells, values):
+        if previous is not None and x > previous + 1:
+            xs.append((previous + x) / 2)  # cells between were not recorded: the line stops here
+            ys.append(math.nan)
+        xs.append(x)
+        ys.append(math.nan if v is None else v / unit)
+        previous = x
+    return xs, ys
 
 
 def _unit(largest: int) -> tuple[str, int]:

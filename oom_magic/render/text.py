@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from ..records.cleanup import FreeReport, StillHeld
 from ..records.shown import renders
-from ..records.snapshot import STALE_KINDS, KernelInfo, Snapshot
+from ..records.snapshot import STALE_KINDS, HolderGroup, KernelInfo, Snapshot
 from .segments import Segment, memory_segments
 from .units import format_bytes, one_line
 
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 BAR_WIDTH = 40
 _BAR_CHARS = {"user": "█", "stale": "▓", "other": "▒", "untracked": "░", "cache": "▚",
-              "context": "▞", "process-rest": "▞", "others": "■", "free": "·"}
+              "context": "▞", "process-rest": "▞", "others": "■", "mapped": "▁", "free": "·"}
 
 
 def usage_line(reading: DeviceReading) -> str:
@@ -37,8 +37,8 @@ def bar(segments: Iterable[Segment], total: int | None, width: int = BAR_WIDTH) 
     return "[" + out[:width].ljust(width, " ") + "]"
 
 
-def table(rows: Iterable[tuple[str, ...]], indent: str = "  ") -> list[str]:
-    """Left-align the first column, right-align the rest."""
+def table(rows: Iterable[tuple[str, ...]], indent: str = "  ", *, text_last: bool = False) -> list[str]:
+    """Left-align the first column, right-align the rest (``text_last``: the last one is words, set left)."""
     rows = [tuple(map(one_line, r)) for r in rows]
     if not rows:
         return []
@@ -46,6 +46,8 @@ def table(rows: Iterable[tuple[str, ...]], indent: str = "  ") -> list[str]:
     lines = []
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        if text_last and len(r) > 1:
+            cells[-1] = r[-1]
         lines.append((indent + "  ".join(cells)).rstrip())
     return lines
 
@@ -56,11 +58,14 @@ def snapshot_text(snap: Snapshot) -> str:
     segments = memory_segments(snap)
     lines = [usage_line(r), bar(segments, r.total) + "  " + "  ".join(
         f"{_BAR_CHARS.get(s.key, '#')} {s.label}" for s in segments if s.bytes)]
-    lines.append("this process" + (f" ({format_bytes(r.process_used)} resident)" if snap.device == "cpu" else ""))
-    lines += table((s.label, format_bytes(s.bytes), s.explain) for s in segments if s.key != "free")
+    lines.append("this process" + (f" ({process_resident(snap)})" if snap.device == "cpu" else ""))
+    lines += table(((s.label, format_bytes(s.bytes), s.explain) for s in segments if s.key != "free"), text_last=True)
     stale_parts = [(k, b) for k, b in snap.bytes_by_kind if k in STALE_KINDS and b]
     if stale_parts:
-        lines.append("  stale is " + ", ".join(f"{k} {format_bytes(b)}" for k, b in stale_parts))
+        pages = snap.file_pages
+        mapped = sum(pages.kind_bytes(k) for k, _ in stale_parts) if pages is not None else 0
+        lines.append("  stale is " + ", ".join(f"{k} {format_bytes(b)}" for k, b in stale_parts)
+                     + (f" ({format_bytes(mapped)} of it file pages, not in the bar)" if mapped else ""))
     if r.processes:
         kernels = dict(snap.kernels)
         lines.append("other processes")
@@ -71,11 +76,29 @@ def snapshot_text(snap: Snapshot) -> str:
     if groups:
         shown = groups if snap.top_n <= 0 else groups[: snap.top_n]
         lines.append(f"top holders ({len(shown)} of {len(groups)})")
-        lines += table((g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar", g.kind)
-                       for g in shown)
+        lines += table(((g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar",
+                         holder_kind_cell(g)) for g in shown), text_last=True)
     lines.append(f"scanned {snap.objects_scanned:,} objects in {snap.scan_seconds * 1000:.1f} ms")
     lines += [f"note: {n}" for n in r.notes + snap.notes]
     return "\n".join(map(one_line, lines))  # outside text stays on its line
+
+
+def process_resident(snap: Snapshot) -> str:
+    """cpu: ``764.36 MiB resident, 120.00 MiB of it file pages`` (file pages count as available, not used)."""
+    r, pages = snap.reading, snap.file_pages
+    text = f"{format_bytes(r.process_used)} resident"
+    if pages is not None and pages.process_file_resident:
+        text += f", {format_bytes(pages.process_file_resident)} of it file pages"
+    return text
+
+
+def holder_kind_cell(group: HolderGroup) -> str:
+    """The holder table's kind: ``user``, or ``user, file-mapped`` when its tensors are views of a file."""
+    if not group.mapped_bytes:
+        return group.kind
+    if group.mapped_bytes >= group.bytes:
+        return f"{group.kind}, file-mapped"
+    return f"{group.kind}, {format_bytes(group.mapped_bytes)} file-mapped"
 
 
 def _process_label(p: ProcessInfo, kernel: KernelInfo | None = None) -> str:
@@ -100,12 +123,16 @@ def free_report_text(report: FreeReport) -> str:
     lines.append(f"{verb} {format_bytes(report.freed_bytes)} on {report.device}"
                  + (" (" + ", ".join(f"{k} {format_bytes(b)}" for k, b in report.freed_by_kind if b) + ")"
                     if any(b for _, b in report.freed_by_kind) else ""))
+    mapped = freed_mapped_text(report)
+    if mapped:
+        lines.append(mapped)
     back = report.resident_freed
-    if back is not None and report.freed_bytes and back < report.freed_bytes - max(report.freed_bytes // 20, 1 << 20):
+    own = report.freed_bytes - (report.freed_mapped or 0)  # what could come back: the mapped part never was resident
+    if back is not None and own > 0 and back < own - max(own // 20, 1 << 20):
         # cpu: weights mapped from a safetensors file were never resident; say what really came back
         # (only when it differs by more than the allocator's usual slack: the next line has both figures).
         lines.append(f"resident memory that came back: {format_bytes(max(back, 0))} of those "
-                     f"{format_bytes(report.freed_bytes)} (the rest was mapped from a file, or the C allocator keeps it)")
+                     f"{format_bytes(own)} (the rest was mapped from a file, or the C allocator keeps it)")
     for held in report.still_held:
         lines.append(still_held_text(held))
     before, after = report.before, report.after
@@ -119,6 +146,16 @@ def free_report_text(report: FreeReport) -> str:
                         if before.process_used is not None else ""))
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(map(one_line, lines))  # outside text stays on its line
+
+
+def freed_mapped_text(report: FreeReport) -> str | None:
+    """cpu: ``150.00 MiB of those were views of a memory-mapped file: file pages, no memory came back for them``."""
+    if not report.freed_mapped:
+        return None
+    verb = "would be" if report.dry_run else "were"
+    back = "would come" if report.dry_run else "came"
+    return (f"{format_bytes(report.freed_mapped)} of those {verb} views of a memory-mapped file: file pages "
+            f"(counted as available), so no memory {back} back for them")
 
 
 def still_held_text(held: StillHeld) -> str:

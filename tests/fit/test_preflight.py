@@ -477,3 +477,24 @@ def test_host_budgets_read_this_machine(tmp_path):
     assert ram_total() == psutil.virtual_memory().total
     assert 0 < disk_free(str(tmp_path)) <= psutil.disk_usage(str(tmp_path)).total
     assert cuda_process_cap("cpu") is None  # only a CUDA device can carry a per-process cap
+
+
+def test_long_option_rows_wrap_between_arguments_not_mid_word(ip, tmp_path):
+    """issue 25 (small things): JupyterLab breaks a long output line mid-word; the options' code goes on
+    its own lines, wrapped between arguments, within TEXT_WIDTH (a sparse 14 GiB checkpoint: headers only)."""
+    from IPython.utils.capture import capture_output
+
+    from oom_magic.render.advice import TEXT_WIDTH
+    from tests.device.test_mapped import _sparse_checkpoint
+
+    _sparse_checkpoint(tmp_path / "model.safetensors", 14 << 30)
+    with capture_output() as shown:
+        ip.run_cell(f"import oom_magic\noom_magic.fit_check({str(tmp_path)!r}, target='T4')")
+    text = shown.stdout  # the terminal shell's displayhook prints the check's text/plain
+    rows = text.split("ways to fit on a T4", 1)[1].splitlines()[1:]
+    assert rows and all(len(line) <= TEXT_WIDTH for line in rows)
+    joined = " ".join(line.strip() for line in rows)
+    assert ('quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
+            'bnb_4bit_use_double_quant=True') in joined  # the code reads whole again, each break at a space
+    assert any(line.startswith("    4-bit nf4") and line.rstrip().endswith(("fits", "too big", "unknown"))
+               for line in rows)

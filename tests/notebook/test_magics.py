@@ -60,6 +60,22 @@ def test_json_view(ip):
     assert json.loads(formatted["text/plain"])["device"] == "cpu" and "text/html" not in formatted
 
 
+def test_json_view_honours_top_and_all(ip):
+    """issue 25 point 11: --json lists the --top N holders and storages (with how many there are), --all every one."""
+    ok(ip, "import torch\nts = [torch.ones(1000 + i) for i in range(40)]")
+    with capture_output() as shown:
+        ip.run_line_magic("gpumem", "--device cpu --json --top 3")
+    text = shown.outputs[0].data["text/plain"]  # what the cell shows
+    data = json.loads(text)
+    assert len(data["holders"]) == 3 and len(data["storages"]) == 3
+    assert data["holders_total"] >= 40 and data["storages_total"] >= 40
+    assert [h["path"] for h in data["holders"]] == ["ts[39]", "ts[38]", "ts[37]"]  # the largest, as the table
+    assert len(text.splitlines()) < 200  # was every storage: thousands of lines in a cell
+    everything = json.loads(ip.run_line_magic("gpumem", "-o --device cpu --json --all").to_json_text())
+    assert len(everything["holders"]) == everything["holders_total"] >= 40
+    assert len(everything["storages"]) == everything["storages_total"] == data["storages_total"]
+
+
 def test_html_escapes_outside_strings(ip):
     ok(ip, "import torch\nglobals()['<img src=x onerror=alert(1)>'] = torch.ones(300, 300)")
     snap = ip.run_line_magic("gpumem", "-o --device cpu")

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
 
 from oom_magic.common.errors import OomMagicError
 from oom_magic.render.plot import Timeline, plot_timeline
@@ -49,7 +50,10 @@ def test_gpu_timeline_plots_allocated_reserved_and_known_peaks(tmp_path) -> None
     ax = timeline.figure.axes[0]
     lines = {line.get_label(): line for line in ax.get_lines() if not line.get_label().startswith("_")}
     assert set(lines) == {"allocated", "reserved", "peak"}
-    assert list(lines["allocated"].get_ydata()) == [0, 12, 12, 2, 2]  # in GiB, the axis unit
+    ys = list(lines["allocated"].get_ydata())
+    assert [y for y in ys if not math.isnan(y)] == [0, 12, 12, 2, 2]  # in GiB, the axis unit
+    # issue 25: cell 5 was not recorded, so the line stops between 4 and 6 instead of joining across it
+    assert list(lines["allocated"].get_xdata()) == [1, 2, 3, 4, 5, 6] and math.isnan(ys[4])
     assert list(lines["peak"].get_xdata()) == [2, 6] and list(lines["peak"].get_ydata()) == [13, 2]
     assert ax.get_ylabel() == "GiB" and ax.get_xlabel() == "execution count"
     texts = [t.get_text() for t in ax.texts]
@@ -112,6 +116,12 @@ def test_gpumem_plot_draws_the_shells_cells(ip, tmp_path) -> None:
     assert len(y) == len(timeline.cells)
     without_path = ip.run_line_magic("gpumem", "-o --plot")
     assert without_path.path is None and without_path.cells[-1] >= timeline.cells[-1]
+    # issue 25: this terminal shell draws no pictures, so the plot says where one would go
+    with capture_output() as shown:
+        ip.run_line_magic("gpumem", "--plot")
+    said = shown.outputs[-1].data["text/plain"]
+    assert said.startswith("<Timeline cpu:") and "this terminal shows no pictures: %gpumem --plot PATH" in said
+    assert "shows no pictures" not in repr(timeline)  # with a PATH it was saved: nothing to add
 
 
 def test_gpumem_plot_errors_are_one_line_usage_errors(ip, tmp_path) -> None:
@@ -122,3 +132,19 @@ def test_gpumem_plot_errors_are_one_line_usage_errors(ip, tmp_path) -> None:
         ip.run_line_magic("gpumem", f"-o --plot {tmp_path}/missing/dir/t.png")
     with pytest.raises(UsageError, match="unknown device"):
         ip.run_line_magic("gpumem", "-o --plot --device cuda:7")
+
+
+def test_a_guardload_label_never_overlaps_the_oom_mark() -> None:
+    """issue 25: a %%guardload cell that ran out of memory: its label and "OOM" are drawn apart (FAKE records)."""
+    records = [CellRecord(1, "cuda:0", 0, 0, None, None, None, False, None, False),
+               CellRecord(2, "cuda:0", 12 * GiB, 14 * GiB, None, None, None, True, "%%guardload", True),
+               CellRecord(3, "cuda:0", 2 * GiB, 14 * GiB, None, None, None, False, "%%guardload", True)]
+    timeline = plot_timeline(records, device="cuda:0")
+    figure = timeline.figure
+    figure.canvas.draw()
+    renderer = figure.canvas.get_renderer()
+    texts = {t.get_text(): t for t in figure.axes[0].texts if t.get_text() == " OOM"}
+    labels = [t for t in figure.axes[0].texts if t.get_text().startswith("%%guardload")]
+    assert len(labels) == 2 and texts
+    oom_box = texts[" OOM"].get_window_extent(renderer)
+    assert not any(label.get_window_extent(renderer).overlaps(oom_box) for label in labels)
