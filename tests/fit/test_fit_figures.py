@@ -48,6 +48,23 @@ def run_fit(*args: str, limit: int | None = None) -> subprocess.CompletedProcess
                           env=env, timeout=180, preexec_fn=ulimit if limit is not None else None)
 
 
+def _option(stdout: str, label: str) -> str:
+    """An option's row and the code lines wrapped below it, joined into one line."""
+    lines = stdout.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.strip().startswith(label))
+    block = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith("      "):  # the code under a row is indented past the rows
+            break
+        block.append(line.strip())
+    return " ".join(block)
+
+
+def _flat(text: str) -> str:
+    """Text with its wrapped lines joined (wrapping is for the eye; the words are the same)."""
+    return " ".join(text.split())
+
+
 def _bytes(text: str) -> float:
     """A size as format_bytes prints it, back to bytes (to its two-decimal rounding)."""
     value, unit = text.split()
@@ -206,7 +223,7 @@ def test_each_nf4_figure_says_its_double_quantization(models, t4_float32):
     asked = run_fit(str(models["fp32"]), "--target", "T4", "-q", "nf4", "--dtype", "bfloat16")
     plain = re.search(r"([\d.]+ \w+) as nf4 without double quantization", asked.stdout)
     assert plain, asked.stdout
-    row = next(x for x in t4_float32.stdout.splitlines() if "4-bit nf4" in x)
+    row = _option(t4_float32.stdout, "4-bit nf4")
     assert "4-bit nf4, double quant (bitsandbytes)" in row and "bnb_4bit_use_double_quant=True" in row
     double = re.search(r"\)\s+([\d.]+ \w+) on T4", row)
     assert double and _bytes(double.group(1)) < _bytes(plain.group(1))  # the two figures, each with its setting
@@ -237,16 +254,16 @@ def test_the_safetensors_lint_names_only_the_checkpoints_own_file(tmp_path):
 def test_options_say_what_they_need_and_use_float16_where_bf16_is_not_native(models, t4_float32):
     t4 = t4_float32
     assert t4.returncode == 1, t4.stderr
-    half = next(x for x in t4.stdout.splitlines() if x.strip().startswith("bf16/fp16"))
+    half = _option(t4.stdout, "bf16/fp16")
     assert "dtype=torch.float16" in half and "bfloat16" not in half  # T4: compute capability 7.5
     if not bitsandbytes_installed():
         quantized = [x for x in t4.stdout.splitlines() if "(bitsandbytes)" in x]
         assert len(quantized) == 2 and all("needs bitsandbytes" in x for x in quantized), t4.stdout
-        assert "need bitsandbytes, not installed here: pip install bitsandbytes (NVIDIA GPUs" in t4.stdout
+        assert "need bitsandbytes, not installed here: pip install bitsandbytes (NVIDIA GPUs" in _flat(t4.stdout)
         # the verdict's hint is an option that can run here, never one that needs a missing package
         assert "BitsAndBytesConfig" not in t4.stdout.strip().splitlines()[-1]
     a100 = run_fit(str(models["fp32"]), "--target", "A100-80GB", "--headroom", "79.5GiB", "--dtype", "float32")
-    assert "dtype=torch.bfloat16" in next(x for x in a100.stdout.splitlines() if x.strip().startswith("bf16/fp16"))
+    assert "dtype=torch.bfloat16" in _option(a100.stdout, "bf16/fp16")
 
 
 # --------------------------------------------------------------------------- 12: pipeline() and vLLM's LLM()
