@@ -2,7 +2,8 @@
 
 ``estimate_checkpoint("meta-llama/Llama-2-7b-hf", dtype="bfloat16")`` reads safetensors headers
 (or a torch.save zip's directory and pickle opcodes, never executing them) and answers in
-milliseconds, without reading tensor data, importing torch, or going online. A folder with only
+milliseconds, without reading tensor data or importing torch; only a hub id not in the local cache
+goes online, for its config and headers (hub.py). A folder with only
 a config.json is sized by building the model on the meta device through transformers, in a
 child process bounded in time and memory (config_size.py).
 
@@ -23,11 +24,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from .files import CheckpointFiles, find_checkpoint_files, read_config, resolve_checkpoint, sniff_format
+from .files import (CheckpointFiles, find_checkpoint_files, read_config, resolve_checkpoint, sniff_format,
+                    uncached_hub_id)
 from ..common.dtypes import DTYPE_BITS, FLOAT_BYTES, QUANTIZED, canonical_dtype, is_floating
 from ..common.errors import OomMagicError, one_line
 from .safetensors_header import read_safetensors_header, read_safetensors_shards
 from .torch_zip import FIX, TensorView, open_torch_zip, optimizer_storage_keys, storages
+from ..records.hub import HubRead
 
 if TYPE_CHECKING:
     from .hf_rules import HeldBytes
@@ -96,6 +99,8 @@ class CheckpointEstimate:
     # The folder whose config.json transformers' rules are asked about (quantized / float16
     # loads, see hf_rules); None: header arithmetic only.
     _rules_dir: str | None = field(default=None, repr=False, compare=False)
+    # What was read over the network for a hub id not in the cache; None for local checkpoints.
+    hub: HubRead | None = field(default=None, repr=False, compare=False)
     # A training checkpoint's optimizer, scheduler and scaler state (torch.save zips): counted in
     # stored_bytes (torch.load reads it all), never in parameters.
     optimizer_elements: int = 0
@@ -168,9 +173,14 @@ class CheckpointEstimate:
 
 
 def estimate_checkpoint(
-    path_or_id: str | os.PathLike[str], dtype: str | None = None, *, follow_transformers: bool | None = None
+    path_or_id: str | os.PathLike[str], dtype: str | None = None, *, follow_transformers: bool | None = None,
+    revision: str | None = None,
 ) -> CheckpointEstimate:
-    """Size a checkpoint (file, folder, or cached hub id) from its headers; `dtype` picks `bytes`.
+    """Size a checkpoint (file, folder, or hub id) from its headers; `dtype` picks `bytes`.
+
+    A hub id not in the local cache is read over the network at `revision` (default main):
+    config.json and the safetensors headers only, never weights, bounded in time (hub.py, whose
+    ``hub_options`` sets the timeout and token); ``hub`` then says what was read.
 
     `follow_transformers`: size quantized and float16 loads by transformers' own rules (fused MoE
     experts stay 16-bit under bitsandbytes, ``_keep_in_fp32_modules`` stay float32; see hf_rules)
@@ -186,7 +196,7 @@ def estimate_checkpoint(
     if follow_transformers is None:
         follow_transformers = "torch" in sys.modules and "transformers" in sys.modules
     try:
-        return _estimate(path_or_id, dtype, follow_transformers)
+        return _estimate(path_or_id, dtype, follow_transformers, revision)
     except OomMagicError as exc:
         message = str(exc)
         if one_line(message, limit=1000) != message:  # a file name with a newline in it, say
@@ -194,21 +204,35 @@ def estimate_checkpoint(
         raise
 
 
-def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_transformers: bool) -> CheckpointEstimate:
-    found = find_checkpoint_files(resolve_checkpoint(path_or_id))
-    rules_dir = str(found.config.parent) if follow_transformers and found.config is not None else None
-    declared = _declared_dtype(found)
+def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_transformers: bool,
+              revision: str | None) -> CheckpointEstimate:
+    remote_id = uncached_hub_id(path_or_id)
+    hub: HubRead | None = None
+    rules_dir: str | None = None
+    if remote_id is not None:
+        from .hub import read_hub_checkpoint
+
+        remote = read_hub_checkpoint(remote_id, revision=revision)
+        hub, fmt, path, files = remote.read, remote.format, remote_id, remote.files
+        declared = _declared_in(remote.config)
+        stored = [_tensor(dtype_name, name, shape, math.prod(shape), nbytes)
+                  for name, dtype_name, shape, nbytes in remote.tensors]
+    else:
+        found = find_checkpoint_files(resolve_checkpoint(path_or_id))
+        rules_dir = str(found.config.parent) if follow_transformers and found.config is not None else None
+        declared = _declared_dtype(found)
+        fmt, path, files = found.format, str(found.path), tuple(str(p) for p in found.files)
+        stored = _read_stored(found, declared)
     request = None if dtype is None else str(dtype)
     if request is not None and request.strip().lower() == "auto":
         request = declared if declared in FLOAT_BYTES else None
     canonical = None if request is None else _canonical_request(request)
-    stored = _read_stored(found, declared)
     sizes = _summarize(stored)
     stored_bytes = sum(item.nbytes for item in stored)
     estimate = CheckpointEstimate(
-        path=str(found.path),
-        format=found.format,
-        files=tuple(str(p) for p in found.files),
+        path=path,
+        format=fmt,
+        files=files,
         parameters=sum(item.elements for item in stored if not item.optimizer),
         stored_bytes=stored_bytes,
         dtype=canonical,
@@ -217,6 +241,7 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
         declared_dtype=declared,
         _sizes=sizes,
         _rules_dir=rules_dir,
+        hub=hub,
         optimizer_elements=sum(item.elements for item in stored if item.optimizer),
         optimizer_bytes=sum(item.nbytes for item in stored if item.optimizer),
     )
@@ -350,6 +375,13 @@ def _declared_dtype(found: CheckpointFiles) -> str | None:
         if found.format == "config-only":
             raise
         return None  # a bad config beside good weights does not stop sizing the weights
+    return _declared_in(config)
+
+
+def _declared_in(config: dict[str, object] | None) -> str | None:
+    """A config's "dtype" / "torch_dtype" as a torch dtype name, when it names one."""
+    if config is None:
+        return None
     for key in ("dtype", "torch_dtype"):
         value = config.get(key)
         if isinstance(value, str):

@@ -3,8 +3,8 @@ and read their structure (shard indexes, configs, a torch.save zip's top-level k
 a tensor.
 
 Nothing here goes online or imports huggingface_hub: a hub id is looked up in the cache layout
-huggingface_hub writes (``<cache>/models--org--name/refs/main`` -> ``snapshots/<rev>/``), so an
-id that was never downloaded is an error, not a download. A torch.save zip is read by torch_zip
+huggingface_hub writes (``<cache>/models--org--name/refs/main`` -> ``snapshots/<rev>/``); an id
+that was never downloaded is told apart (``uncached_hub_id``) for hub.py to read its headers. A torch.save zip is read by torch_zip
 (data.pkl walked opcode by opcode, never unpickled, within fixed bounds).
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ from ..common.errors import OomMagicError, one_line
 from .torch_zip import OPTIMIZER_KEY, open_torch_zip, top_level_keys
 
 __all__ = ["CheckpointFiles", "CheckpointKeys", "find_checkpoint_files", "hub_cache_dir", "one_line",
-           "read_checkpoint_keys", "resolve_checkpoint"]
+           "read_checkpoint_keys", "resolve_checkpoint",
+           "uncached_hub_id"]
 
 # A hub id: "name" or "org/name" (letters, digits, '-', '_', '.'), as the hub allows.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*(/[A-Za-z0-9][A-Za-z0-9_.\-]*)?$")
@@ -97,6 +98,20 @@ def resolve_checkpoint(path_or_id: str | os.PathLike[str]) -> Path:
             f"snapshot of it at {repo_dir} (set HF_HUB_CACHE or HF_HOME, or pass a local folder)"
         )
     return snapshot
+
+
+def uncached_hub_id(path_or_id: object) -> str | None:
+    """The hub id `path_or_id` names when it is no local path and the hub cache has no snapshot of it."""
+    if not isinstance(path_or_id, str) or not _HUB_ID.match(path_or_id) or path_or_id.count("/") != 1:
+        return None
+    try:
+        if Path(path_or_id).expanduser().exists() or Path(path_or_id).is_symlink():
+            return None
+    except (OSError, ValueError, RuntimeError):
+        return None
+    if _cached_snapshot(hub_cache_dir() / ("models--" + path_or_id.replace("/", "--"))) is not None:
+        return None
+    return path_or_id
 
 
 def _broken_link(path: Path) -> str | None:

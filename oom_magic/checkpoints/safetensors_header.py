@@ -15,12 +15,12 @@ from ..common.dtypes import DTYPE_BITS, SAFETENSORS_DTYPES
 from ..common.errors import OomMagicError
 from ..common.sizes import quoted
 
-__all__ = ["read_safetensors_header", "read_safetensors_shards"]
+__all__ = ["check_header_length", "check_shards", "parse_safetensors_header", "read_safetensors_header", "read_safetensors_shards"]
 
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own MAX_HEADER_SIZE: the library refuses larger headers
 # What we parse, so that sizing stays within ~1 s and ~50 MB of memory (JSON objects take 10-30x
 # their text): 4 MiB and 500,000 JSON values hold ~40,000 tensors; real headers are under 1 MiB.
-_MAX_READ_HEADER_BYTES = 4 * 1024 * 1024
+MAX_READ_HEADER_BYTES = 4 * 1024 * 1024
 _MAX_HEADER_VALUES = 500_000
 _MAX_ELEMENTS = 1 << 64  # safetensors counts elements in a u64
 
@@ -29,18 +29,26 @@ def read_safetensors_shards(
     files: tuple[Path, ...], weight_map: dict[str, str] | None, index: Path | None
 ) -> list[tuple[str, str, tuple[int, ...], int]]:
     """Every tensor of a single or sharded safetensors checkpoint, each in one shard, checked against the index."""
+    return check_shards([(file.name, read_safetensors_header(file)) for file in files],
+                        weight_map if index is not None else None, index.name if index is not None else "")
+
+
+def check_shards(
+    shards: list[tuple[str, list[tuple[str, str, tuple[int, ...], int]]]], weight_map: dict[str, str] | None,
+    index_label: str,
+) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """Join the shards' checked headers: each tensor in one shard, the one the index names."""
     owner: dict[str, str] = {}
     stored: list[tuple[str, str, tuple[int, ...], int]] = []
-    for file in files:
-        label = file.name
-        for name, dtype, shape, nbytes in read_safetensors_header(file):
+    for label, tensors in shards:
+        for name, dtype, shape, nbytes in tensors:
             if name in owner:
                 raise OomMagicError(
                     f"{label}: tensor {quoted(name, 80)} is also in {owner[name]}; a tensor belongs to one shard"
                 )
             owner[name] = label
             stored.append((name, dtype, shape, nbytes))
-    if weight_map is not None and index is not None:
+    if weight_map is not None:
         basenames: dict[str, str] = {}
         for name, shard in weight_map.items():
             basename = basenames.get(shard)
@@ -48,7 +56,7 @@ def read_safetensors_shards(
                 basename = basenames[shard] = shard.replace("\\", "/").rsplit("/", 1)[-1]
             if owner.get(name) != basename:
                 raise OomMagicError(
-                    f"{index.name}: names tensor {quoted(name, 80)} in {shard}, which does not hold it; "
+                    f"{index_label}: names tensor {quoted(name, 80)} in {shard}, which does not hold it; "
                     "the index and the shards do not match"
                 )
     return stored
@@ -71,26 +79,36 @@ def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...],
                     "it is truncated or not safetensors"
                 )
             length = int.from_bytes(handle.read(8), "little")
-            if length > size - 8:
-                raise OomMagicError(
-                    f"{label}: header length {length} is past the end of the {size}-byte file; "
-                    "the file is truncated or not safetensors"
-                )
-            if length > _MAX_HEADER_BYTES:
-                raise OomMagicError(
-                    f"{label}: header length {length} is over safetensors' {_MAX_HEADER_BYTES}-byte limit; "
-                    "not a safetensors file"
-                )
-            if length > _MAX_READ_HEADER_BYTES:
-                raise OomMagicError(
-                    f"{label}: header of {length} bytes is over the {_MAX_READ_HEADER_BYTES} bytes oom-magic reads "
-                    "(about 40,000 tensors; real checkpoints' headers are far smaller)"
-                )
+            check_header_length(label, length, size)
             raw = handle.read(length)
     except OSError as exc:
         raise OomMagicError(f"{label}: cannot read it ({exc.strerror or exc})") from None
     if len(raw) != length:
         raise OomMagicError(f"{label}: the file shrank while it was read; try again")
+    return parse_safetensors_header(label, raw, size - 8 - length)
+
+
+def check_header_length(label: str, length: int, size: int) -> None:
+    """Refuse a header length past the file, over safetensors' limit or over what oom-magic parses."""
+    if length > size - 8:
+        raise OomMagicError(
+            f"{label}: header length {length} is past the end of the {size}-byte file; "
+            "the file is truncated or not safetensors"
+        )
+    if length > _MAX_HEADER_BYTES:
+        raise OomMagicError(
+            f"{label}: header length {length} is over safetensors' {_MAX_HEADER_BYTES}-byte limit; "
+            "not a safetensors file"
+        )
+    if length > MAX_READ_HEADER_BYTES:
+        raise OomMagicError(
+            f"{label}: header of {length} bytes is over the {MAX_READ_HEADER_BYTES} bytes oom-magic reads "
+            "(about 40,000 tensors; real checkpoints' headers are far smaller)"
+        )
+
+
+def parse_safetensors_header(label: str, raw: bytes, data_size: int) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """Check one header's bytes (the JSON after the 8-byte length) against `data_size` bytes of tensor data."""
     # Every JSON value but the first follows one of these bytes: an upper bound, counted at C speed.
     values = raw.count(b",") + raw.count(b":") + raw.count(b"[") + raw.count(b"{")
     if values > _MAX_HEADER_VALUES:
@@ -118,7 +136,6 @@ def read_safetensors_header(path: Path) -> list[tuple[str, str, tuple[int, ...],
         raise OomMagicError(
             f"{label}: the header is a JSON {_json_kind(header)}, not an object; not a safetensors file"
         )
-    data_size = size - 8 - length
     tensors: list[tuple[int, int, str, str, tuple[int, ...]]] = []
     for name, info in header.items():
         if name == "__metadata__":

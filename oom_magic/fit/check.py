@@ -1,9 +1,10 @@
 """The fit check on its own: will a checkpoint (or a load cell) fit a device or a target GPU.
 
 ``fit_check`` is ``%%guardload``'s preflight for scripts and pipelines: a checkpoint path (local
-file or folder, sharded index, ``.bin``/``.pt``, or a hub id found in the local cache) is turned
-into the load call it stands for and checked exactly as the guard checks a cell; code is checked
-as written. Headers only: nothing is loaded, downloaded or run, and no CUDA context is created.
+file or folder, sharded index, ``.bin``/``.pt``, or a hub id: from the local cache, else its
+config and safetensors headers read from the hub) is turned into the load call it stands for and
+checked exactly as the guard checks a cell; code is checked as written. Headers only: no weight is
+loaded or downloaded, nothing is run, and no CUDA context is created.
 """
 from __future__ import annotations
 
@@ -57,18 +58,19 @@ def _quantization(quantization: str | None) -> str | None:
 
 
 def load_source(path: str | os.PathLike[str], *, device: str, dtype: str | None = None,
-                quantization: str | None = None) -> str:
+                quantization: str | None = None, revision: str | None = None) -> str:
     """The one-line load a checkpoint stands for, as %%guardload would read it.
 
     A folder or hub id loads with ``from_pretrained``; a single ``.bin``/``.pt`` file with
     ``torch.load``, a ``.safetensors`` file with ``load_file`` (a dtype becomes ``.to(dtype)``).
     """
-    from ..checkpoints.files import resolve_checkpoint
+    from ..checkpoints.files import resolve_checkpoint, uncached_hub_id
 
-    local = resolve_checkpoint(path)  # a missing path or uncached hub id fails here, in one line
+    # A hub id not in the cache is read from the hub by the estimate; any other missing path fails here.
+    local = None if uncached_hub_id(path) else resolve_checkpoint(path)
     text = os.fspath(path)
     dtype, quantization = _dtype(dtype), _quantization(quantization)
-    if local.is_file() and not local.name.endswith(".index.json"):
+    if local is not None and local.is_file() and not local.name.endswith(".index.json"):
         if quantization is not None:
             raise OomMagicError(f"quantization applies to a model folder or hub id (from_pretrained), not the single "
                                 f"file {local.name}: pass the folder that holds it")
@@ -76,8 +78,10 @@ def load_source(path: str | os.PathLike[str], *, device: str, dtype: str | None 
         if local.suffix in _TORCH_FILES:
             return f"state = torch.load({text!r}, map_location={device!r}, weights_only=True){cast}"
         return f"state = safetensors.torch.load_file({text!r}, device={device!r}){cast}"
-    folder = str(local.parent) if local.is_file() else text  # a shard index names its folder
+    folder = str(local.parent) if local is not None and local.is_file() else text  # an index names its folder
     args = [repr(folder)]
+    if revision is not None:
+        args.append(f"revision={str(revision)!r}")
     if dtype:
         args.append(f"dtype=torch.{dtype}")
     if quantization == "int8":
@@ -90,7 +94,8 @@ def load_source(path: str | os.PathLike[str], *, device: str, dtype: str | None 
 
 def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | None = None, target: Any = None,
               dtype: str | None = None, quantization: str | None = None, headroom: str | int | None = None,
-              namespace: Mapping[str, Any] | None = None) -> Preflight:
+              namespace: Mapping[str, Any] | None = None, revision: str | None = None,
+              token: str | None = None, hub_timeout: float | None = None) -> Preflight:
     """Check whether a checkpoint, or the loads in some code, fit a device or a target GPU; runs nothing.
 
     ``path_or_cell_or_call`` is a checkpoint (file, folder, shard index or cached hub id ``org/name``)
@@ -101,7 +106,21 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
     ``quantization`` ("int8", "nf4", "fp4") say how a checkpoint path is loaded. Returns the
     ``Preflight`` record ``%%guardload`` prints (``.fits``: True, False, or None when nothing could
     be sized); raises ``OomMagicError`` with the fix for a missing path, unknown target or dtype.
+
+    A hub id not in the local cache is sized from its config.json and safetensors headers read from
+    the hub at ``revision`` (``token``: else HF_TOKEN or the saved login), within ``hub_timeout``
+    seconds (default 10); a failure to read them is an ``OomMagicError`` of one line.
     """
+    from ..checkpoints.hub import hub_options
+
+    with hub_options(timeout=hub_timeout, token=token):
+        return _fit_check(path_or_cell_or_call, device=device, target=target, dtype=dtype,
+                          quantization=quantization, headroom=headroom, namespace=namespace, revision=revision)
+
+
+def _fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | None, target: Any, dtype: str | None,
+               quantization: str | None, headroom: str | int | None, namespace: Mapping[str, Any] | None,
+               revision: str | None) -> Preflight:
     if target is not None and device not in (None, "cuda", "auto") and not str(device).startswith("cuda"):
         raise OomMagicError(f"target {target!r} is a GPU: leave out device (or use cuda or auto), not {device!r}")
     if _is_code(path_or_cell_or_call):
@@ -109,10 +128,18 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
             raise OomMagicError("dtype and quantization apply to a checkpoint path; in code, write them in the call")
         return preflight_check(str(path_or_cell_or_call), namespace or {}, device=device, headroom=headroom,
                                target=target)
+    from ..checkpoints.files import uncached_hub_id
+
+    remote = uncached_hub_id(path_or_cell_or_call)
+    if remote is not None:  # read the hub first: a failure is the command's one line, not a preflight
+        from ..checkpoints.hub import read_hub_checkpoint
+
+        read_hub_checkpoint(remote, revision=revision)  # kept per (repo, revision) for the estimate
     if device is None:
         from ..device.reading import default_device
 
         device = "cuda" if target is not None else default_device()
-    source = load_source(path_or_cell_or_call, device=str(device), dtype=dtype, quantization=quantization)
+    source = load_source(path_or_cell_or_call, device=str(device), dtype=dtype, quantization=quantization,
+                         revision=revision)
     return preflight_check(source, {}, device=None if device == "auto" else str(device), headroom=headroom,
                            target=target)

@@ -39,9 +39,18 @@ def _arg(call: ast.Call, position: int | None, *names: str) -> ast.AST | None:
     return None
 
 
+def _is_llama_cpp(name: str | None) -> bool:
+    """llama-cpp-python's model class, however it was imported (read from the source, never imported)."""
+    return name is not None and (name == "Llama" or name.endswith("llama_cpp.Llama"))
+
+
 def _kind_of(resolver: Resolver, call: ast.Call) -> LoadKind | None:
     func = call.func
+    if _is_llama_cpp(resolver.name(func)):
+        return "llama_cpp"
     if isinstance(func, ast.Attribute) and func.attr == "from_pretrained":
+        if _is_llama_cpp(resolver.name(func.value)):
+            return "llama_cpp"
         receiver = resolver.name(func.value) or ast.unparse(func.value)
         if _NOT_WEIGHTS.search(receiver.rstrip("()")):
             return None
@@ -255,6 +264,8 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     if kind == "vllm":
         return _describe_vllm(node, stmt, resolver, parents)
     notes: list[str] = []
+    if kind == "llama_cpp":
+        return _describe_llama_cpp(node, stmt, resolver, parents)
     path_node = _arg(node, 0, "pretrained_model_name_or_path", "f", "filename")
     path_value = resolver.value(path_node) if path_node is not None else Unknown("no checkpoint argument")
     checkpoint, unresolved = _checkpoint_text(path_value)
@@ -272,7 +283,16 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     map_given = False
     weights_only: bool | None = None
     mmap = False
+    revision: str | None = None
+    gguf_file: str | None = None
+    token: str | None = None
     if kind == "from_pretrained":
+        asked = resolver.value(_arg(node, None, "revision"))
+        revision = asked if isinstance(asked, str) and asked else None
+        named = resolver.value(_arg(node, None, "gguf_file"))
+        gguf_file = named if isinstance(named, str) and named.endswith(".gguf") else None
+        given = resolver.value(_arg(node, None, "token", "use_auth_token"))
+        token = given if isinstance(given, str) and given else None
         value = _dtype_of(resolver.value(_arg(node, None, "dtype", "torch_dtype")))
         if isinstance(value, Unknown):
             notes.append(f"dtype: {value.reason}")
@@ -304,12 +324,49 @@ def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver
     else:
         device = _placement(resolver.value(_arg(node, 1, "device")), notes, "device") or "cpu"
     moved, cast = _chain_effects(node, parents, resolver)
+    source = shorten(ast.unparse(node), 120)
+    if token is not None:
+        source = source.replace(token, "***")  # a token written in the cell is never printed back
     return LoadCall(
-        kind=kind, line=node.lineno, source=shorten(ast.unparse(node), 120),
+        kind=kind, line=node.lineno, source=source,
         target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
         dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
         offload_folder=offload, map_location_given=map_given, weights_only=weights_only, mmap=mmap,
-        moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip,
+        moved_to=moved, cast_to=cast, notes=tuple(notes), skip_modules=skip, revision=revision,
+        gguf_file=gguf_file, token=token,
+    )
+
+
+def _int_arg(resolver: Resolver, node: ast.AST | None) -> object:
+    """An integer argument's value: a literal such as -1 as written, else what the resolver finds."""
+    if node is None:
+        return None
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return resolver.value(node)
+
+
+def _describe_llama_cpp(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadCall:
+    """llama_cpp.Llama(model_path=..., n_gpu_layers=..., n_ctx=...) or Llama.from_pretrained(repo_id, filename)."""
+    remote = isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained"
+    where = resolver.value(_arg(node, 0, "repo_id" if remote else "model_path"))
+    checkpoint, unresolved = _checkpoint_text(where)
+    gguf_file = None
+    if remote:
+        named = resolver.value(_arg(node, 1, "filename"))
+        gguf_file = named if isinstance(named, str) else None
+        if gguf_file is None or any(c in gguf_file for c in "*?["):
+            checkpoint, unresolved = None, "Llama.from_pretrained's filename is a pattern or unknown: name the .gguf file"
+    layers, ctx = (_int_arg(resolver, _arg(node, None, key)) for key in ("n_gpu_layers", "n_ctx"))
+    n_gpu_layers = layers if isinstance(layers, int) and not isinstance(layers, bool) else None
+    n_ctx = ctx if isinstance(ctx, int) and not isinstance(ctx, bool) else None
+    device = "cpu" if not n_gpu_layers else "cuda"
+    return LoadCall(
+        kind="llama_cpp", line=node.lineno, source=shorten(ast.unparse(node), 120),
+        target=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved, dtype=None,
+        quantization=None, double_quant=False, device=device, max_memory=None, offload_folder=None,
+        gguf_file=gguf_file, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
     )
 
 

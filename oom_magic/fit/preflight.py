@@ -14,6 +14,7 @@ from typing import Any
 from collections.abc import Mapping
 
 from ..checkpoints.files import CheckpointKeys, read_checkpoint_keys
+from ..checkpoints.hub import hub_options
 from ..common._torch import cuda_initialized
 from ..records.diagnosis import FitOption
 from .options import device_index, fit_options
@@ -189,7 +190,8 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
         return Preflight(device, (), (), (), (str(exc),))
     notes += skipped
     if not calls:
-        notes.append("no load call found (from_pretrained, pipeline, vllm.LLM, torch.load, load_file): nothing to size")
+        notes.append("no load call found (from_pretrained, pipeline, vllm.LLM, llama_cpp.Llama, torch.load, "
+                     "load_file): nothing to size")
     budgets = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml, rehearsed)
     # --target: the local fit check always applies too (the cell runs here, whatever the target).
     here = _Budgets(free_bytes, total_bytes, ram_bytes, disk_bytes, headroom, nvml) if rehearsed else None
@@ -252,15 +254,30 @@ def _measured_device(check: FitCheck) -> str | None:
 
 
 def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
+    """One load's check; for a hub model not in the cache, also whether its download fits the cache's disk."""
+    check, lints = _check_load(call, guard_device, budgets)
+    hub = getattr(check.estimate, "hub", None)
+    if hub is not None:
+        free = budgets.disk_override if budgets.disk_override is not None else hub.cache_free
+        if free is not None and hub.download_bytes > free:
+            check = replace(check, download_short=hub.download_bytes - free)
+    return check, lints
+
+
+def _check_load(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> tuple[FitCheck, list[Lint]]:
     lints: list[Lint] = []
     keys: CheckpointKeys | None = None
     where = _target(call, guard_device)
     if call.checkpoint is None:
         return _unknown(call, where, f"cannot size the checkpoint: {call.unresolved}"), load_lints(call, None, None, None)
+    if call.kind == "llama_cpp" or call.gguf_file is not None:
+        return _check_gguf(call, where, budgets), []
     try:
         # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
         # transformers' own rules (a meta model, built only when such a size is asked for).
-        estimate = _estimate(call.checkpoint, follow_transformers=call.kind in _HF_LOADS)
+        with hub_options(token=call.token):  # the call's own token= wins over HF_TOKEN and the saved login
+            estimate = _estimate(call.checkpoint, follow_transformers=call.kind in _HF_LOADS,
+                                 revision=call.revision)
     except OomMagicError as exc:
         lints = load_lints(call, None, None, None)
         return _unknown(call, where, f"cannot size {call.checkpoint}: {exc}"), lints
@@ -313,6 +330,52 @@ def _check_call(call: LoadCall, guard_device: str | None, budgets: _Budgets) -> 
                           compute_capability=budgets.capability(place))
     options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return replace(check, verdict="will-not-fit", options=options, offload=offload), lints
+
+
+def _check_gguf(call: LoadCall, where: str | None, budgets: _Budgets) -> FitCheck:
+    """A GGUF load: llama.cpp's GPU share (weights of the offloaded layers and their KV cache at n_ctx), or
+    transformers' gguf_file=, which dequantizes every tensor to the load dtype (float32 unless told)."""
+    from .llama_cpp import read_gguf, size_llama_cpp
+
+    if call.checkpoint is None:
+        return _unknown(call, where, f"cannot size the checkpoint: {call.unresolved}")
+    try:
+        with hub_options(token=call.token):
+            header, hub, label = read_gguf(call.checkpoint, call.gguf_file, call.revision)
+        if call.kind == "llama_cpp":
+            # llama-cpp-python's defaults: n_ctx=512, n_gpu_layers=0
+            load: Any = size_llama_cpp(header, label, n_ctx=call.n_ctx or 512, n_gpu_layers=call.n_gpu_layers or 0,
+                                       hub=hub)
+            need, dtype = (load.gpu_bytes if call.n_gpu_layers else load.weights_bytes + load.kv_cache_bytes), None
+            where = ("cuda" if call.n_gpu_layers else "cpu") if where is None or call.n_gpu_layers else where
+        else:
+            dtype = call.dtype if call.dtype in FLOAT_BYTES else "float32"
+            load = _GgufDequantized(label, hub)
+            need = sum(t.elements for t in header.tensors) * FLOAT_BYTES[dtype]
+    except OomMagicError as exc:
+        return _unknown(call, where, f"cannot size {call.checkpoint}{'/' + call.gguf_file if call.gguf_file else ''}: "
+                                     f"{exc}")
+    where = where or "cpu"
+    if where in ("unknown", "mixed", "disk", "meta", "auto"):
+        return _unknown(call, where, f"a GGUF load with device {where}: not checked", load, need, dtype)
+    resolved = _resolve_cuda(where)
+    place = (resolved if resolved.startswith("cuda") else "cuda:0") if budgets.target is not None else resolved
+    free, total, context, why = budgets.device(place)
+    check = FitCheck(call=call, device=resolved, verdict="unknown", reason=why, need=need, dtype=dtype, free=free,
+                     context=context, headroom=budgets.headroom(total, free),
+                     parameters=sum(t.elements for t in header.tensors), format="gguf", files=1, estimate=load,
+                     process_cap=budgets.limits.get(place), target=budgets.target)
+    if free is None:
+        return check
+    return replace(check, reason=None, verdict="fits" if need <= (check.budget or 0) else "will-not-fit")
+
+
+@dataclass(frozen=True)
+class _GgufDequantized:
+    """What the preflight keeps of a GGUF that transformers loads (gguf_file=): its label and what the hub sent."""
+
+    file: str
+    hub: Any
 
 
 def _ram_peak(call: LoadCall, estimate: Any, dtype: str | None) -> int | None:
@@ -486,12 +549,12 @@ class _PipelineEstimate:
         return sum(p.bytes_for(dtype, **kwargs) for p in self.parts)
 
 
-def _estimate(checkpoint: str, follow_transformers: bool = False) -> Any:
+def _estimate(checkpoint: str, follow_transformers: bool = False, revision: str | None = None) -> Any:
     """estimate_checkpoint, or for a diffusers pipeline folder the sum over its weight folders."""
     from ..checkpoints.estimate import estimate_checkpoint, resolve_checkpoint
 
     try:
-        return estimate_checkpoint(checkpoint, follow_transformers=follow_transformers)
+        return estimate_checkpoint(checkpoint, follow_transformers=follow_transformers, revision=revision)
     except OomMagicError as first:
         try:
             folder = resolve_checkpoint(checkpoint)

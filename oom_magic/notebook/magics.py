@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, CaselessStrEnum, Int, TraitError, Unicode, validate
+from traitlets import Bool, CaselessStrEnum, Float, Int, TraitError, Unicode, validate
 
 from ..heap.cleanup import FreeReport, free_stale
 from ..common.errors import OomMagicError
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from IPython.core.interactiveshell import InteractiveShell
 
     from ..records.guard import GuardReport
+    from ..records.preflight import Preflight
     from ..render.plot import Timeline
     from .watch import WatchStatus
 
@@ -93,6 +94,10 @@ class OomMagics(Magics):
                                   "says so. %gpumem always scans the whole heap.").tag(config=True)
     live_widgets = Int(8, help="How many per-cell memory widgets stay live; older ones are frozen to static "
                                "HTML and their widget models closed. 0 shows static HTML only.").tag(config=True)
+    hub_timeout = Float(10.0, help="Seconds the %%guardload preflight may spend reading the config and safetensors "
+                        "headers of a hub model that is not in the local cache (never its weights); past "
+                        "it the preflight says it checked nothing and the cell runs as it would without it."
+                        ).tag(config=True)
     history_length = Int(10_000, help="How many cells the %gpumem --plot timeline keeps (oldest dropped first); "
                                       "read when the extension loads.").tag(config=True)
     guard_raise = Bool(True, help="After an out-of-memory error, %%guardload raises a short exception of the "
@@ -115,6 +120,14 @@ class OomMagics(Magics):
         if value < floor:
             raise TraitError(f"OomMagics.{name} must be {floor} or more, not {value}; it is unchanged")
         return value
+
+    @validate("hub_timeout")
+    def _positive_seconds(self, proposal: Any) -> float:
+        """A hub timeout of zero or less could never read anything: refused when set."""
+        value = proposal["value"]
+        if not value > 0:
+            raise TraitError(f"OomMagics.hub_timeout must be a positive number of seconds, not {value}; it is unchanged")
+        return float(value)
 
     @validate("guard_headroom")
     def _headroom(self, proposal: Any) -> str:
@@ -197,6 +210,15 @@ class OomMagics(Magics):
         except OomMagicError as exc:
             raise UsageError(str(exc)) from None
 
+    def _preflight(self, source: str, namespace: dict[str, Any], device: str | None, headroom: str | int,
+                   target: Any) -> Preflight:
+        """The fit check of a guarded cell; a hub model not in the cache is read within hub_timeout."""
+        from ..checkpoints.hub import hub_options
+        from ..fit.preflight import preflight_check
+
+        with hub_options(timeout=self.hub_timeout):
+            return preflight_check(source, namespace, device=device, headroom=headroom, target=target)
+
     @magic_arguments()
     @argument("--device", "-d", default=None, help="Device to guard and measure: cuda, cuda:N, cpu or mps (default: where the cell's load puts its weights, else the current CUDA device, else cpu).")
     @argument("--retry", type=int, default=0, metavar="N", help="On out-of-memory, run the cell again, at most N times, when the diagnosis says the same load fits now (default 0).")
@@ -216,7 +238,7 @@ class OomMagics(Magics):
         """
         __tracebackhide__ = True
         from ..guard.pipeline import GuardedLoad, compile_cell
-        from ..fit.preflight import load_target, parse_headroom, preflight_check
+        from ..fit.preflight import load_target, parse_headroom
         from ..fit.targets import parse_target
 
         args = _parse_line(self.guardload, line)
@@ -236,8 +258,7 @@ class OomMagics(Magics):
             args.device, args.retry, cleanup=not args.no_cleanup,
             expandable_segments=self.expandable_segments and not args.no_expandable, snapshot=args.snapshot,
             headroom=headroom, quiet=args.quiet, raise_on_oom=self.guard_raise, strict=args.strict,
-            preflight=lambda: preflight_check(source, namespace, device=args.device, headroom=headroom,
-                                              target=target),
+            preflight=lambda: self._preflight(source, namespace, args.device, headroom, target),
             shell=self.shell, namespace=namespace, format_traceback=self._guard_traceback, label="%%guardload",
             device_hint=load_target(source, namespace), target=target)
         try:

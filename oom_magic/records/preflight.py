@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["FitCheck", "Lint", "LintCode", "LoadCall", "LoadKind", "OffloadCheck", "Preflight", "Severity", "Verdict"]
 
 # "pipeline": transformers.pipeline(task, model=...), a from_pretrained underneath; "vllm": vllm.LLM(model=...)
-LoadKind = Literal["from_pretrained", "torch.load", "load_file", "pipeline", "vllm"]
+LoadKind = Literal["from_pretrained", "torch.load", "load_file", "llama_cpp", "pipeline", "vllm"]
 Verdict = Literal["fits", "will-not-fit", "unknown"]
 LintCode = Literal["map-location", "weights-only", "safetensors-sibling", "training-checkpoint", "fp32-of-half"]
 Severity = Literal["warning", "info"]
@@ -48,6 +48,12 @@ class LoadCall:
     cast_to: str | None = None  # .to(dtype) / .half() / .bfloat16() applied to the result
     notes: tuple[str, ...] = ()
     skip_modules: tuple[str, ...] | None = None  # BitsAndBytesConfig(llm_int8_skip_modules=[...])
+    revision: str | None = None  # from_pretrained's revision= (a hub branch, tag or commit)
+    gguf_file: str | None = None  # a GGUF file in the repo: transformers' gguf_file=, Llama.from_pretrained's filename
+    n_gpu_layers: int | None = None  # llama_cpp.Llama's n_gpu_layers= (None: not given, llama-cpp-python's 0)
+    n_ctx: int | None = None  # llama_cpp.Llama's n_ctx= (None: not given, llama-cpp-python's 512)
+    # from_pretrained's token= (a hub token) for reading an uncached model's headers; never shown
+    token: str | None = field(default=None, repr=False, compare=False)
     # vllm.LLM: the share of each GPU it reserves up front, the context one sequence may reach
     # (None: config.json's max_position_embeddings), and how many GPUs split the weights and the KV cache
     memory_utilization: float | None = None
@@ -106,6 +112,8 @@ class FitCheck:
     # cpu loads: RAM at the load's peak when above `need` (a cast or MoE fusion copies beside the
     # file pages it reads; see load_peak); None when the peak is the weights themselves
     ram_peak: int | None = None
+    # a hub model not in the cache: bytes its download lacks on the disk of the hub cache; None = it fits or unknown
+    download_short: int | None = None
     # a training checkpoint's optimizer/scheduler state, beside `parameters` (which counts the model only)
     optimizer_elements: int = 0
     optimizer_bytes: int = 0
@@ -165,8 +173,9 @@ class Preflight(Shown):
 
     @property
     def will_not_fit(self) -> tuple[FitCheck, ...]:
-        """The loads that will not fit where they are going (under --target: there, or here)."""
-        return tuple(c for c in self.checks if c.verdict == "will-not-fit"
+        """The loads that will not fit where they are going (under --target: there, or here), or whose
+        download from the hub will not fit the disk of the hub cache."""
+        return tuple(c for c in self.checks if c.verdict == "will-not-fit" or c.download_short
                      or (c.local is not None and c.local.verdict == "will-not-fit"))
 
     @property

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..records.hub import HubRead
+from ..records.llama_cpp import LlamaCppLoad
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import lint_text, need_phrase, option_code, preflight_html, preflight_text, target_label
+from .guard import (download_short_text, hub_read_text, lint_text, need_phrase, option_code, preflight_html,
+                    preflight_text, target_label)
 from .json import record_dict
 from .units import format_bytes
 
@@ -22,6 +25,9 @@ def verdict_line(preflight: Preflight) -> str:
         check = preflight.checks[0]
         return f"fits on {_where(check)}: {need_phrase(check)}, {format_bytes(check.margin)} to spare"
     check = preflight.will_not_fit[0]
+    if check.verdict != "will-not-fit" and check.download_short and (
+            check.local is None or check.local.verdict != "will-not-fit"):
+        return f"WILL NOT FIT on disk: {download_short_text(check)}"
     first = next((o for o in check.options if o.fits), None)
     hint = f"; fits with {option_code(first)}" if first is not None else ""
     return f"WILL NOT FIT on {_where(check)}: {need_phrase(check)}, {format_bytes(-(check.margin or 0))} short{hint}"
@@ -50,6 +56,8 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
             "split": [list(s) for s in check.split],
             "target": record_dict(check.target) if check.target is not None else None,
             "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],
+            "download_short": check.download_short,
+            "hub": record_dict(check.estimate.hub) if getattr(check.estimate, "hub", None) is not None else None,
         })
     return {
         "fits": preflight.fits,
@@ -63,3 +71,33 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
 
 renders(Preflight, preflight_text, preflight_html)
 renders(Lint, lint_text)
+renders(HubRead, hub_read_text)
+
+
+def llama_cpp_text(load: LlamaCppLoad) -> str:
+    """A llama.cpp load's sizes, split and verdict, as the command prints them."""
+    types = ", ".join(f"{name} {format_bytes(b)}" for name, b in load.by_type)
+    gpu_layers = "all" if load.n_gpu_layers == -1 else str(load.n_gpu_layers)
+    lines = [f"llama.cpp load of {load.file}: {load.parameters:,} parameters, {format_bytes(load.weights_bytes)} "
+             f"of weights ({types})"]
+    if load.hub is not None:
+        lines.append(f"  {hub_read_text(load.hub)}")
+    lines.append(f"  KV cache at n_ctx={load.n_ctx} ({load.type_k}/{load.type_v}, {load.layers} layers): "
+                 f"{format_bytes(load.kv_cache_bytes)}")
+    lines.append(f"  n_gpu_layers={gpu_layers}: {format_bytes(load.gpu_bytes)} on the GPU, "
+                 f"{format_bytes(load.cpu_bytes)} in RAM")
+    where = target_label(load.target) if load.target is not None else "this GPU"
+    if load.n_gpu_layers == 0:
+        lines.append("fits: n_gpu_layers=0 puts nothing on the GPU")
+    elif load.gpu_budget is None:
+        lines.append("not checked: no GPU budget here (pass --target GPU)")
+    elif load.fits:
+        lines.append(f"fits on {where}: {format_bytes(load.gpu_bytes)} needed, "
+                     f"{format_bytes(load.gpu_budget - load.gpu_bytes)} to spare")
+    else:
+        lines.append(f"WILL NOT FIT on {where}: {format_bytes(load.gpu_bytes)} needed, "
+                     f"{format_bytes(load.gpu_bytes - load.gpu_budget)} short (lower n_gpu_layers or n_ctx)")
+    return "\n".join(lines)
+
+
+renders(LlamaCppLoad, llama_cpp_text)

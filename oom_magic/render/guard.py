@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from ..records.diagnosis import RetryVerdict
 from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
+from ..records.hub import HubRead
+from ..records.llama_cpp import LlamaCppLoad
 from ..records.shown import renders
 from .advice import (OPTION_LABELS, aligned_rows, option_code, option_notes, option_rows, quantized_label, size_literal, target_label,
                      target_place)
@@ -63,12 +65,30 @@ def allocator_line(setting: AllocatorSetting) -> str:
 # --------------------------------------------------------------------------- preflight
 
 
+def download_short_text(check: FitCheck) -> str:
+    """Why a hub model's download will not fit on the disk of the hub cache, and the fix."""
+    hub = check.estimate.hub
+    return (f"the download of {hub.repo_id} is {format_bytes(hub.download_bytes)}, "
+            f"{format_bytes(check.download_short)} more than is free where the hub cache lives ({hub.cache_dir}): "
+            "free space there or set HF_HUB_CACHE to a larger disk")
+
+
+def hub_read_text(hub: HubRead) -> str:
+    """What was read from the hub for an uncached model, and what its download would need on disk."""
+    headers = f"{hub.headers} header{'s' if hub.headers != 1 else ''}"
+    free = (f"{format_bytes(hub.cache_free)} free" if hub.cache_free is not None else "free space unknown")
+    return (f"read {headers}, {format_bytes(hub.bytes_read)}, from the hub ({hub.repo_id} at {hub.revision[:12]}); "
+            f"the download is {format_bytes(hub.download_bytes)}, {free} in {hub.cache_dir}")
+
+
 def _check_lines(check: FitCheck) -> list[str]:
     call = check.call
     where = f" → {call.target}" if call.target else ""
     lines = [f"preflight (line {call.line}){where}: {call.source}"]
     if check.parameters is not None:
         as_what = f"as {quantized_label(check.dtype, call.double_quant)}" if check.dtype else "as stored"
+        if isinstance(check.estimate, LlamaCppLoad):
+            as_what = "on the GPU" if check.estimate.n_gpu_layers else "in RAM, with its KV cache"
         counted = f"{check.parameters:,} parameters"
         if check.optimizer_elements:  # a training checkpoint: the model's count, its optimizer state beside it
             counted += (f" + optimizer state {check.optimizer_elements:,} elements "
@@ -80,6 +100,17 @@ def _check_lines(check: FitCheck) -> list[str]:
                 held += f" per GPU (1/{call.tensor_parallel}, tensor_parallel_size={call.tensor_parallel})"
         lines.append(f"  checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
                      f"{counted}, {held} {as_what}")
+    hub = getattr(check.estimate, "hub", None)
+    if isinstance(hub, HubRead):
+        lines.append(f"  {hub_read_text(hub)}")
+    if check.download_short:
+        lines.append(f"  WILL NOT FIT on disk: {download_short_text(check)}")
+    if isinstance(check.estimate, LlamaCppLoad):
+        load = check.estimate
+        layers = "all" if load.n_gpu_layers == -1 else load.n_gpu_layers
+        lines.append(f"  llama.cpp: {format_bytes(load.weights_bytes)} of weights + {format_bytes(load.kv_cache_bytes)} "
+                     f"of KV cache at n_ctx={load.n_ctx}; n_gpu_layers={layers} puts {format_bytes(load.gpu_bytes)} "
+                     f"on the GPU, {format_bytes(load.cpu_bytes)} in RAM")
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
@@ -224,6 +255,8 @@ def refusal_line(preflight: Preflight) -> str:
     """One line for --strict: which load will not fit, by how much, and the first option that fits."""
     check = preflight.will_not_fit[0]
     local = check.local if check.local is not None and check.local.verdict == "will-not-fit" else None
+    if check.verdict != "will-not-fit" and local is None and check.download_short:
+        return one_line(f"--strict: line {check.call.line}: {download_short_text(check)}")
     if check.verdict != "will-not-fit" and local is not None and check.target is not None:  # --target: fits there, not here
         return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
                 f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: "

@@ -340,9 +340,14 @@ def test_hub_id_resolves_through_hf_home_without_refs(llama: dict, tmp_path: Pat
 
 
 def test_uncached_hub_id_is_a_one_line_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    # As HF_HUB_OFFLINE=1 set before huggingface_hub is imported (it reads it once); online: tests/checkpoints/test_hub.py
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(OomMagicError, match=r"cannot find checkpoint 'org/missing'.*models--org--missing") as info:
+    with pytest.raises(OomMagicError, match=r"org/missing is not in the local hub cache \(.*hub\) and HF_HUB_OFFLINE=1"
+                       ) as info:
         estimate_checkpoint("org/missing")
     assert "\n" not in str(info.value)
     with pytest.raises(OomMagicError, match="no such file or folder: ./nope/model.safetensors"):

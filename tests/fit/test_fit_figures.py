@@ -344,7 +344,7 @@ def test_vllm_reserves_its_share_and_needs_weights_plus_one_sequence_of_kv_cache
 def test_code_without_a_load_call_says_so_in_one_line():
     result = oom_magic.fit_check("x = 1 + 1")
     assert result.fits is None and result.notes == (
-        "no load call found (from_pretrained, pipeline, vllm.LLM, torch.load, load_file): nothing to size",)
+        "no load call found (from_pretrained, pipeline, vllm.LLM, llama_cpp.Llama, torch.load, load_file): nothing to size",)
     done = run_fit("x = 1 + 1")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "no load call found" in done.stderr
 
