@@ -152,7 +152,7 @@ def test_short_is_need_minus_budget_on_its_line_and_strict_says_the_same(models,
     assert m, line
     budget, peak, loaded, short = (_bytes(g) for g in m.groups())
     assert loaded == _bytes(format_bytes(weights)) and budget > weights  # the weights alone would fit
-    assert abs((peak - budget) - short) <= 0.01 * MiB  # need − budget, to the printed rounding
+    assert abs((peak - budget) - short) <= 0.02 * MiB  # need − budget, to the printed rounding (3 figures)
     verdict = done.stdout.strip().splitlines()[-1]
     assert verdict.startswith(f"WILL NOT FIT on cpu: needs {m.group(2)} at the load's RAM peak")
     assert verdict.endswith(f"{m.group(4)} short") or f"{m.group(4)} short;" in verdict
