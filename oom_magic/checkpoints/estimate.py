@@ -29,7 +29,7 @@ from .files import (CheckpointFiles, find_checkpoint_files, read_config, resolve
 from ..common.dtypes import DTYPE_BITS, FLOAT_BYTES, QUANTIZED, canonical_dtype, is_floating
 from ..common.errors import OomMagicError, one_line
 from .safetensors_header import read_safetensors_header, read_safetensors_shards
-from .torch_zip import FIX, TensorView, open_torch_zip, storages
+from .torch_zip import FIX, TensorView, open_torch_zip, optimizer_storage_keys, storages
 from ..records.hub import HubRead
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class _Stored(NamedTuple):
     linear: tuple[tuple[int, int], ...] = ()
     expert: bool = False  # one expert's weight of a MoE layer (transformers 5 fuses them on load)
     layer: int | None = None  # the "layers.N" index in its name, for expert weights
+    optimizer: bool = False  # reached only from a training checkpoint's optimizer/scheduler keys
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class CheckpointEstimate:
     path: str
     format: str  # 'safetensors' | 'safetensors-sharded' | 'torch-zip' | 'torch-zip-sharded' | 'config-only'
     files: tuple[str, ...]
-    parameters: int  # elements of every stored tensor; tied weights are stored, and counted, once
+    parameters: int  # the model's elements; tied weights are stored, and counted, once; optimizer state left out
     stored_bytes: int  # tensor data as stored (for 'config-only': at the declared dtype)
     dtype: str | None  # the dtype asked for ('bfloat16', 'nf4', ...); None = as stored
     bytes: int  # bytes_for(dtype), or stored_bytes when dtype is None
@@ -100,6 +101,10 @@ class CheckpointEstimate:
     _rules_dir: str | None = field(default=None, repr=False, compare=False)
     # What was read over the network for a hub id not in the cache; None for local checkpoints.
     hub: HubRead | None = field(default=None, repr=False, compare=False)
+    # A training checkpoint's optimizer, scheduler and scaler state (torch.save zips): counted in
+    # stored_bytes (torch.load reads it all), never in parameters.
+    optimizer_elements: int = 0
+    optimizer_bytes: int = 0
 
     def bytes_for(
         self, dtype: str, *, double_quant: bool = False, unquantized_dtype: str = "bfloat16",
@@ -228,7 +233,7 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
         path=path,
         format=fmt,
         files=files,
-        parameters=sum(item.elements for item in stored),
+        parameters=sum(item.elements for item in stored if not item.optimizer),
         stored_bytes=stored_bytes,
         dtype=canonical,
         bytes=stored_bytes,
@@ -237,6 +242,8 @@ def _estimate(path_or_id: str | os.PathLike[str], dtype: str | None, follow_tran
         _sizes=sizes,
         _rules_dir=rules_dir,
         hub=hub,
+        optimizer_elements=sum(item.elements for item in stored if item.optimizer),
+        optimizer_bytes=sum(item.nbytes for item in stored if item.optimizer),
     )
     return estimate if canonical is None else replace(estimate, bytes=estimate.bytes_for(canonical))
 
@@ -401,12 +408,14 @@ def _read_torch_zip(path: Path, assumed_bits: int) -> list[_Stored]:
         raise OomMagicError(f"{one_line(path.name)}: a zip without a top-level data.pkl; not a torch.save checkpoint: "
                             f"{FIX}")
     stored = []
+    optimizer = optimizer_storage_keys(found)
     for item in storages(found):
         if item.dtype is None or item.elements is None:
-            stored.append(_Stored(_UNKNOWN, item.nbytes * 8 // assumed_bits, item.nbytes))
+            stored.append(_Stored(_UNKNOWN, item.nbytes * 8 // assumed_bits, item.nbytes,
+                                  optimizer=item.key in optimizer))
         else:
             stored.append(_Stored(item.dtype, item.elements, item.nbytes,
-                                  _linear_views(item.dtype, item.elements, item.views)))
+                                  _linear_views(item.dtype, item.elements, item.views), optimizer=item.key in optimizer))
     return stored
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from ..common.errors import OomMagicError, one_line
-from .torch_zip import open_torch_zip, top_level_keys
+from .torch_zip import OPTIMIZER_KEY, open_torch_zip, top_level_keys
 
 __all__ = ["CheckpointFiles", "CheckpointKeys", "find_checkpoint_files", "hub_cache_dir", "one_line",
            "read_checkpoint_keys", "resolve_checkpoint",
@@ -320,7 +320,7 @@ def _read_json(path: Path, limit: int) -> object:
 
 # --------------------------------------------------------------------------- torch checkpoint keys
 
-_OPTIMIZER_KEY = re.compile(r"optim|sched|^scaler$|^grad_scaler$|^amp$", re.IGNORECASE)
+_OPTIMIZER_KEY = OPTIMIZER_KEY
 _MODEL_KEYS = ("model", "model_state_dict", "state_dict", "module", "net", "model_state", "weights", "params")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickletools
+import re
 import struct
 import sys
 import zipfile
@@ -25,7 +26,8 @@ from ..common.dtypes import DTYPE_BITS, STORAGE_DTYPES
 from ..common.errors import OomMagicError, one_line
 
 __all__ = ["FIX", "MAX_PICKLE_BYTES", "MAX_PICKLE_OPS", "PickleWalk", "TensorView", "TorchZip", "ZipStorage",
-           "check_zip_directory", "open_torch_zip", "storages", "top_level_keys"]
+           "OPTIMIZER_KEY", "check_zip_directory", "open_torch_zip", "optimizer_storage_keys", "storages",
+           "top_level_keys"]
 
 _MIB = 1024 * 1024
 # data.pkl, stored or inflated, is read only up to this: a 70B Llama's is 86 KB (120 bytes a tensor),
@@ -42,6 +44,8 @@ _MAX_WALK_BYTES = 48 * _MIB
 _MAX_KEY_VISITS = 2_000_000
 # A torch.save zip holds one member per storage plus ~6, and its directory ~100 bytes a member.
 _MAX_ZIP_MEMBERS = 100_000
+# A top-level key of a training checkpoint that holds optimizer, scheduler or scaler state, not the model.
+OPTIMIZER_KEY = re.compile(r"optim|sched|^scaler$|^grad_scaler$|^amp$", re.IGNORECASE)
 _MAX_ZIP_DIRECTORY = 16 * _MIB
 _ZIP_ENCRYPTED = 0x1  # zip general-purpose flag bit 0: zipfile refuses to open the member without a password
 _COMPRESSION = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "LZMA"}  # torch.load reads stored and deflated only
@@ -509,6 +513,27 @@ def top_level_keys(found: TorchZip) -> tuple[tuple[tuple[str, int], ...], tuple[
     locations = tuple(sorted({r.location for r in walk.refs}))
     total = sum(sizes.get(k, 0) for k in {r.key for r in walk.refs})
     return tuple(keys), locations, total
+
+
+def optimizer_storage_keys(found: TorchZip) -> frozenset[str]:
+    """The storages only the optimizer, scheduler or scaler keys of a training checkpoint reach (empty otherwise).
+
+    A storage the model's keys reach too is the model's. Empty when data.pkl was past the walk's
+    limits or its object is not a dict: then every storage is counted as the model's.
+    """
+    walk = found.walk
+    if walk is None or not isinstance(walk.top, _Box) or not walk.top.entries:
+        return frozenset()
+    budget = [_MAX_KEY_VISITS]
+    optimizer: set[str] = set()
+    model: set[str] = set()
+    try:
+        for key, value in walk.top.entries:
+            if isinstance(key, str):
+                (optimizer if OPTIMIZER_KEY.search(key) else model).update(_refs_under(value, budget))
+    except _TooBig:
+        return frozenset()
+    return frozenset(optimizer - model)
 
 
 def _refs_under(value: object, budget: list[int]) -> set[str]:

@@ -68,6 +68,8 @@ class NvmlDevice:
     # memory, as nvidia-smi prints it) or "v1" (deprecated: used includes it); None: no reading.
     memory_query: str | None = field(default=None, compare=False)
     reserved: int | None = field(default=None, compare=False)  # the driver's reserved memory (v2 only)
+    # CUDA compute capability (major, minor); a MIG instance has its parent's; None where NVML cannot say
+    compute_capability: tuple[int, int] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -327,6 +329,7 @@ class Nvml:
                 compute_instance_id=_int(self.query("nvmlDeviceGetComputeInstanceId", handle)),
                 memory_query=query,
                 reserved=reserved,
+                compute_capability=parent.compute_capability,
             )
         pci = self.query("nvmlDeviceGetPciInfo", handle)
         bus_id = normalize_pci_bus_id(getattr(pci, "busId", None)) or normalize_pci_bus_id(
@@ -347,7 +350,15 @@ class Nvml:
             mig_enabled=current == _MIG_ENABLED,
             memory_query=query,
             reserved=reserved,
+            compute_capability=self._capability(handle),
         )
+
+    def _capability(self, handle: Any) -> tuple[int, int] | None:
+        """(major, minor) of a GPU; None where this nvidia-ml-py or driver cannot say (not an error)."""
+        value = self._probe("nvmlDeviceGetCudaComputeCapability", handle)
+        if isinstance(value, (list, tuple)) and len(value) == 2 and all(type(v) is int for v in value):
+            return int(value[0]), int(value[1])
+        return None
 
     def _memory(self, handle: Any) -> tuple[Any, str | None]:
         """The v2 memory reading (nvidia-smi's figures) where the driver has it, else the v1 one."""

@@ -258,6 +258,9 @@ class Resolver:
             return self._fstring(node, depth)
         if isinstance(node, ast.BinOp):
             return self._binop(node, depth)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+                and type(node.operand.value) in (int, float):
+            return -cast(float, node.operand.value)  # device=-1: pipeline's spelling of the cpu
         if isinstance(node, (ast.List, ast.Tuple)):
             items = [self._value(e, depth + 1) for e in node.elts]
             return items if isinstance(node, ast.List) else tuple(items)

@@ -29,12 +29,14 @@ DTYPES = ("float32", "float16", "bfloat16")
 QUANTIZATIONS = ("int8", "nf4", "fp4")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 _TORCH_FILES = (".bin", ".pt", ".pth", ".ckpt")
-_LOAD_CALLS = ("from_pretrained(", "torch.load(", "load_file(")
+_LOAD_CALLS = ("from_pretrained(", "torch.load(", "load_file(", "pipeline(", "LLM(")
 
 
 def _is_code(what: object) -> bool:
-    """A string holding a load call (a cell or one call), not a path or hub id."""
-    if not isinstance(what, str) or not any(mark in what for mark in _LOAD_CALLS):
+    """A string of code (a load call, or code that holds none), not a path or hub id."""
+    # A path or hub id holds no "=", "(" or line break; code without a load call is checked as code,
+    # which says in one line that it holds none.
+    if not isinstance(what, str) or not any(mark in what for mark in (*_LOAD_CALLS, "=", "(", "\n")):
         return False
     try:
         return not Path(what).expanduser().exists()

@@ -20,7 +20,7 @@ def load_lints(call: LoadRequest, estimate: Any, keys: CheckpointKeys | None, lo
     found: list[Lint] = []
     if call.kind == "torch.load":
         found += _torch_load_lints(call, estimate, keys)
-    if call.kind == "from_pretrained" and estimate is not None:
+    if call.kind in ("from_pretrained", "pipeline") and estimate is not None:
         declared = estimate.declared_dtype
         if load_dtype == "float32" and declared in ("bfloat16", "float16") and call.quantization is None \
                 and call.cast_to in (None, "float32"):
@@ -80,7 +80,10 @@ def _torch_load_lints(call: LoadRequest, estimate: Any, keys: CheckpointKeys | N
 
 
 def _safetensors_sibling(path: Path) -> Path | None:
-    """A .safetensors file beside a pickle checkpoint: same stem, the HF rename, or the only one."""
+    """The .safetensors copy of a pickle checkpoint: same stem, or the HF rename (pytorch_model* → model*).
+
+    Any other .safetensors file in the folder is left out: sharing a folder does not make it this checkpoint.
+    """
     if not path.is_file() or path.suffix == ".safetensors":
         return None
     same = path.with_suffix(".safetensors")
@@ -90,11 +93,7 @@ def _safetensors_sibling(path: Path) -> Path | None:
         renamed = path.parent / (path.name.replace("pytorch_model", "model", 1).rsplit(".", 1)[0] + ".safetensors")
         if renamed.is_file():
             return renamed
-    try:
-        others = sorted(p for p in path.parent.iterdir() if p.suffix == ".safetensors" and p.is_file())
-    except OSError:
-        return None
-    return others[0] if len(others) == 1 else None
+    return None
 
 
 def _torch_version() -> tuple[int, int] | None:

@@ -58,6 +58,10 @@ def _kind_of(resolver: Resolver, call: ast.Call) -> LoadKind | None:
     name = resolver.name(func) or ""
     if name in ("torch.load", "torch.serialization.load"):
         return "torch.load"
+    if name in ("pipeline", "transformers.pipeline") or name.endswith("transformers.pipelines.pipeline"):
+        return "pipeline"
+    if name in ("LLM", "vllm.LLM") or (name.startswith("vllm.") and name.endswith(".LLM")):
+        return "vllm"
     if name in ("safetensors.torch.load_file",) or name.endswith("safetensors.torch.load_file"):
         return "load_file"
     return None
@@ -255,6 +259,10 @@ def _track_moves(stmt: ast.stmt, resolver: Resolver, found: list[tuple[LoadReque
 
 
 def _describe(kind: LoadKind, node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
+    if kind == "pipeline":
+        return _describe_pipeline(node, stmt, resolver, parents)
+    if kind == "vllm":
+        return _describe_vllm(node, stmt, resolver, parents)
     notes: list[str] = []
     if kind == "llama_cpp":
         return _describe_llama_cpp(node, stmt, resolver, parents)
@@ -359,6 +367,94 @@ def _describe_llama_cpp(node: ast.Call, stmt: ast.stmt, resolver: Resolver, pare
         variable=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved, dtype=None,
         quantization=None, double_quant=False, device=device, max_memory=None, offload_folder=None,
         gguf_file=gguf_file, n_gpu_layers=n_gpu_layers, n_ctx=n_ctx,
+    )
+
+
+def _given(node: ast.Call, resolver: Resolver, extra: Mapping[object, object], *names: str) -> object:
+    """An argument's value from the call's keywords, else from its model_kwargs dict (None: not given)."""
+    found = _arg(node, None, *names)
+    if found is not None:
+        return resolver.value(found)
+    return next((extra[n] for n in names if n in extra), None)
+
+
+def _describe_pipeline(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
+    """transformers.pipeline(task, model=..., device=..., device_map=..., dtype=..., model_kwargs=...): a from_pretrained."""
+    notes: list[str] = []
+    model_node = _arg(node, 1, "model")
+    checkpoint: str | None
+    unresolved: str | None
+    if model_node is None:
+        checkpoint, unresolved = None, "pipeline() without model= loads the task's default model, chosen when the cell runs"
+    else:
+        checkpoint, unresolved = _checkpoint_text(resolver.value(model_node))
+    extra = resolver.value(_arg(node, None, "model_kwargs"))
+    if isinstance(extra, Unknown):
+        notes.append(f"model_kwargs: {extra.reason}")
+    kwargs: Mapping[object, object] = extra if isinstance(extra, dict) else {}
+    dtype: str | None = None
+    value = _dtype_of(_given(node, resolver, kwargs, "dtype", "torch_dtype"))
+    if isinstance(value, Unknown):
+        notes.append(f"dtype: {value.reason}")
+    else:
+        dtype = value if value is not None else "auto"  # pipeline's dtype defaults to "auto"
+    quant: str | None = None
+    double = False
+    skip: tuple[str, ...] | None = None
+    q = _given(node, resolver, kwargs, "quantization_config")
+    if isinstance(q, QuantValue):
+        quant, double, skip = q.kind or q.type_name, q.double_quant, q.skip_modules
+    # pipeline: device= wins over device_map=; with neither, device 0 (the first GPU, else the cpu).
+    device_value = _given(node, resolver, kwargs, "device")
+    if device_value is not None:
+        device = "cpu" if type(device_value) is int and device_value < 0 else _placement(device_value, notes, "device")
+    else:
+        device = _placement(_given(node, resolver, kwargs, "device_map"), notes, "device_map") or "default"
+    max_memory = _max_memory(_given(node, resolver, kwargs, "max_memory"), notes)
+    folder = _given(node, resolver, kwargs, "offload_folder")
+    moved, cast = _chain_effects(node, parents, resolver)
+    return LoadRequest(
+        kind="pipeline", line=node.lineno, source=ast.unparse(node),
+        variable=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
+        dtype=dtype, quantization=quant, double_quant=double, device=device, max_memory=max_memory,
+        offload_folder=str(folder) if isinstance(folder, (str, Path)) else None, moved_to=moved, cast_to=cast,
+        notes=tuple(notes), skip_modules=skip,
+    )
+
+
+def _describe_vllm(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
+    """vllm.LLM(model=, dtype=, quantization=, gpu_memory_utilization=, max_model_len=, tensor_parallel_size=)."""
+    notes: list[str] = []
+    model_node = _arg(node, 0, "model")
+    checkpoint: str | None
+    unresolved: str | None
+    if model_node is None:
+        checkpoint, unresolved = None, "LLM() without model= names no checkpoint"
+    else:
+        checkpoint, unresolved = _checkpoint_text(resolver.value(model_node))
+    dtype = _dtype_of(resolver.value(_arg(node, None, "dtype")))
+    if isinstance(dtype, Unknown):
+        notes.append(f"dtype: {dtype.reason}")
+        dtype = None
+    quant = resolver.value(_arg(node, None, "quantization"))
+    utilization = resolver.value(_arg(node, None, "gpu_memory_utilization"))
+    length = resolver.value(_arg(node, None, "max_model_len"))
+    parallel = resolver.value(_arg(node, None, "tensor_parallel_size"))
+    for what, value, ok in (("gpu_memory_utilization", utilization, isinstance(utilization, (int, float))
+                             and not isinstance(utilization, bool) and 0 < utilization <= 1),
+                            ("max_model_len", length, type(length) is int and length > 0),
+                            ("tensor_parallel_size", parallel, type(parallel) is int and parallel > 0)):
+        if value is not None and not ok:
+            notes.append(f"{what}: {value.reason if isinstance(value, Unknown) else f'{value!r} cannot be read'}")
+    return LoadRequest(
+        kind="vllm", line=node.lineno, source=ast.unparse(node),
+        variable=_assigned_name(node, stmt, parents), checkpoint=checkpoint, unresolved=unresolved,
+        dtype=dtype or "auto", quantization=quant if isinstance(quant, str) else None, double_quant=False,
+        device="cuda", max_memory=None, offload_folder=None, notes=tuple(notes),
+        memory_utilization=float(utilization) if isinstance(utilization, (int, float)) and not isinstance(
+            utilization, bool) and 0 < utilization <= 1 else 0.9,  # vLLM's default
+        max_model_len=length if type(length) is int and length > 0 else None,
+        tensor_parallel=parallel if type(parallel) is int and parallel > 0 else 1,
     )
 
 

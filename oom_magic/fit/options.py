@@ -14,7 +14,7 @@ from ..records.diagnosis import FitOption
 if TYPE_CHECKING:
     from ..checkpoints.estimate import CheckpointEstimate
 
-__all__ = ["device_index", "fit_options"]
+__all__ = ["bitsandbytes_installed", "device_index", "fit_options"]
 
 _HALF = "bfloat16"
 
@@ -31,7 +31,8 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
                 dtype: str | None = None, loader: str = "from_pretrained",
                 device_budget: int | None = None, ram_budget: int | None = None,
                 disk_budget: int | None = None, model_part: tuple[str, int] | None = None,
-                offload_folder: str = "offload") -> tuple[FitOption, ...]:
+                offload_folder: str = "offload", compute_capability: tuple[int, int] | None = None,
+                ) -> tuple[FitOption, ...]:
     """The ways to make this checkpoint fit on ``device``, with their sizes for this model.
 
     ``need`` is what the load as written puts on the device (default: the estimate's bytes),
@@ -39,6 +40,9 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
     ``device_budget`` on the device, ``ram_budget`` in CPU RAM, ``disk_budget`` on the disk that
     would hold ``offload_folder``. For ``loader='torch.load'``: CPU-first loading, ``mmap=True``
     and, with ``model_part=(key, bytes)``, loading only the model's weights.
+    ``compute_capability`` (NVIDIA's, when known): below 8.0 there is no native bfloat16, so the
+    half-precision options are float16, and LLM.int8() needs 7.5. 8-bit and 4-bit options need
+    bitsandbytes: where it is not installed they say so (``needs``) and do not count as fitting.
     """
     need = estimate.bytes if need is None else need
 
@@ -46,6 +50,8 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
         return None if budget is None else nbytes <= budget
 
     options: list[FitOption] = []
+    if loader == "vllm":
+        return ()  # vLLM's own knobs (gpu_memory_utilization, max_model_len) are said with its verdict
     if loader == "torch.load":
         if device != "cpu":
             options.append(FitOption("map-location-cpu", 0, fits(need, ram_budget), cpu_bytes=need))
@@ -61,27 +67,50 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
             options.append(FitOption("device-cpu", 0, fits(need, ram_budget), cpu_bytes=need))
         return tuple(options)
     current = _canonical(dtype)
+    # No native bfloat16 below compute capability 8.0 (T4, V100): float16 is the half that runs there.
+    half_dtype = "float16" if compute_capability is not None and compute_capability < (8, 0) else _HALF
     if current not in ("bfloat16", "float16", "int8", "nf4"):
-        half = estimate.bytes_for(_HALF)
+        half = estimate.bytes_for(half_dtype)
         if half < need:
-            options.append(FitOption("bfloat16", half, fits(half, device_budget), dtype=_HALF))
-    rest = current if current in ("bfloat16", "float16") else _HALF
+            options.append(FitOption("bfloat16", half, fits(half, device_budget), dtype=half_dtype))
+    rest = current if current in ("bfloat16", "float16") else half_dtype
     if current not in ("int8", "nf4"):
         int8 = estimate.bytes_for("int8", unquantized_dtype=rest)
-        options.append(FitOption("int8", int8, fits(int8, device_budget), dtype=rest))
+        options.append(_quantized(FitOption("int8", int8, fits(int8, device_budget), dtype=rest), compute_capability))
     if current != "nf4":
         nf4 = estimate.bytes_for("nf4", double_quant=True, unquantized_dtype=rest)
-        options.append(FitOption("nf4", nf4, fits(nf4, device_budget), dtype=rest))
+        options.append(_quantized(FitOption("nf4", nf4, fits(nf4, device_budget), dtype=rest), compute_capability))
     options += _spread_options(need, device, current, device_budget, ram_budget, disk_budget, offload_folder)
     return tuple(options)
+
+
+def bitsandbytes_installed() -> bool:
+    """Whether bitsandbytes can be imported here (looked up, not imported: it would load CUDA libraries)."""
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _quantized(option: FitOption, capability: tuple[int, int] | None) -> FitOption:
+    """An 8-bit or 4-bit option, marked as not fitting when bitsandbytes cannot run it here."""
+    from dataclasses import replace
+
+    if not bitsandbytes_installed():
+        return replace(option, fits=False, needs="bitsandbytes")
+    if option.kind == "int8" and capability is not None and capability < (7, 5):
+        return replace(option, fits=False, needs="compute capability 7.5+")  # LLM.int8(): Turing or newer
+    return option
 
 
 def _spread_options(need: int, device: str, dtype: str | None, device_budget: int | None,
                     ram_budget: int | None, disk_budget: int | None, folder: str) -> list[FitOption]:
     """device_map="auto" with a max_memory that fits this device and this RAM, then disk offload."""
-    if device_budget is None or ram_budget is None:
-        return []
-    device_budget, ram_budget = max(device_budget, 0), max(ram_budget, 0)
+    if device_budget is None or ram_budget is None or ram_budget <= 0:
+        return []  # accelerate reads every weight through RAM: a plan with max_memory {"cpu": 0} cannot run
+    device_budget = max(device_budget, 0)
     options: list[FitOption] = []
     if device == "cpu":
         on_ram = min(need, ram_budget)

@@ -101,6 +101,20 @@ class _Budgets:
 
         return next((d for d in available_devices(self.nvml) if d.startswith(("cuda", "mps"))), None)
 
+    def capability(self, device: str) -> tuple[int, int] | None:
+        """The compute capability of the GPU the weights go to (the --target's, from gpus.json), when known."""
+        if self.target is not None and device != "cpu":
+            return self.target.compute_capability
+        if not device.startswith("cuda"):
+            return None
+        from ..device.nvml import default_nvml, nvml_device_for_torch
+
+        try:
+            found = nvml_device_for_torch(self.nvml or default_nvml(), int(device.partition(":")[2] or 0))
+        except Exception:  # the capability only picks float16 over bfloat16: never a reason to fail the check
+            return None
+        return found.compute_capability if found is not None else None
+
     def headroom(self, total: int | None, free: int | None) -> int:
         return parse_headroom(self.headroom_spec, total if total is not None else free)
 
@@ -117,6 +131,10 @@ class _Budgets:
         if self.disk_override is not None:
             return self.disk_override
         return disk_free()
+
+
+# Loads that go through transformers' from_pretrained (pipeline() calls it for its model).
+_HF_LOADS = ("from_pretrained", "pipeline")
 
 
 def _transformers_major() -> int:
@@ -172,7 +190,8 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
         return Preflight(device, (), (), (), (str(exc),))
     notes = list(skipped)
     if not calls:
-        notes.append("no from_pretrained / torch.load / load_file call found: nothing to size")
+        notes.append("no load call found (from_pretrained, pipeline, vllm.LLM, llama_cpp.Llama, torch.load, "
+                     "load_file): nothing to size")
     # --target: the cell still runs here, so each load is checked here too (runs_here stays True).
     requests = tuple(replace(call, target=rehearsed) for call in calls) if rehearsed is not None else calls
     return check_requests(requests, device=device, free_bytes=free_bytes, total_bytes=total_bytes,
@@ -279,7 +298,7 @@ def _check_load(call: LoadRequest, guard_device: str | None, budgets: _Budgets) 
         # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
         # transformers' own rules (a meta model, built only when such a size is asked for).
         with hub_options(token=call.token):  # the call's own token= wins over HF_TOKEN and the saved login
-            estimate = _estimate(call.checkpoint, follow_transformers=call.kind == "from_pretrained",
+            estimate = _estimate(call.checkpoint, follow_transformers=call.kind in _HF_LOADS,
                                  revision=call.revision)
     except OomMagicError as exc:
         lints = load_lints(call, None, None, None)
@@ -294,6 +313,8 @@ def _check_load(call: LoadRequest, guard_device: str | None, budgets: _Budgets) 
         if where is None:
             where = _saved_device(keys)
     lints = load_lints(call, estimate, keys, _load_dtype(call, estimate.declared_dtype, _stored_float(estimate)))
+    if call.kind == "vllm":
+        return _check_vllm(call, estimate, budgets), lints
     need, dtype = _need(call, estimate)
     where = where or "cpu"
     if where == "unknown":
@@ -314,7 +335,8 @@ def _check_load(call: LoadRequest, guard_device: str | None, budgets: _Budgets) 
     check = FitCheck(call=call, device=resolved, verdict="unknown", reason=why, need=need, dtype=dtype, free=free,
                      context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                      declared_dtype=estimate.declared_dtype, files=len(estimate.files), estimate=estimate,
-                     process_cap=budgets.limits.get(place), target=budgets.target)
+                     process_cap=budgets.limits.get(place), target=budgets.target, optimizer_elements=getattr(estimate, "optimizer_elements", 0),
+                    optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
     if free is None:
         return check, lints
     peak = _ram_peak(call, estimate, dtype) if place == "cpu" else None
@@ -328,7 +350,8 @@ def _check_load(call: LoadRequest, guard_device: str | None, budgets: _Budgets) 
     options = fit_options(estimate, device=place, need=need, dtype=dtype, loader=call.kind,
                           device_budget=budget, ram_budget=budgets.ram() if place != "cpu" else budget,
                           disk_budget=budgets.disk(), model_part=model_part,
-                          offload_folder=call.offload_folder or "offload")
+                          offload_folder=call.offload_folder or "offload",
+                          compute_capability=budgets.capability(place))
     options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return replace(check, verdict="will-not-fit", options=options, offload=offload), lints
 
@@ -381,7 +404,7 @@ class _GgufDequantized:
 
 def _ram_peak(call: LoadRequest, estimate: Any, dtype: str | None) -> int | None:
     """RAM a from_pretrained onto the cpu takes at its peak (load_peak), or None when not known."""
-    if call.kind != "from_pretrained":
+    if call.kind not in _HF_LOADS:
         return None
     from .load_peak import load_peak
 
@@ -417,7 +440,11 @@ def _check_offload_plan(options: tuple[FitOption, ...],
 def _target(call: LoadRequest, guard_device: str | None) -> str | None:
     if call.moved_to:
         return call.moved_to
-    if call.kind == "from_pretrained":
+    if call.kind in _HF_LOADS:
+        if call.device == "default":  # pipeline() without device or device_map: device 0, a GPU when there is one
+            from ..device.reading import available_devices
+
+            return next((d for d in available_devices() if d.startswith("cuda")), "cpu")
         return call.device or "cpu"
     return call.device
 
@@ -434,7 +461,7 @@ def _resolve_cuda(device: str) -> str:
 
 def _need(call: LoadRequest, estimate: Any) -> tuple[int, str | None]:
     """Bytes the load puts on its target, and the dtype that assumes (None: as stored)."""
-    if call.kind != "from_pretrained":
+    if call.kind not in _HF_LOADS:
         if call.cast_to in FLOAT_BYTES:
             return estimate.bytes_for(call.cast_to), call.cast_to
         return estimate.stored_bytes, None
@@ -458,7 +485,29 @@ def _unknown(call: LoadRequest, where: str | None, reason: str, estimate: Any = 
                     parameters=estimate.parameters if estimate is not None else None,
                     format=estimate.format if estimate is not None else None,
                     declared_dtype=estimate.declared_dtype if estimate is not None else None,
-                    files=len(estimate.files) if estimate is not None else 0, estimate=estimate)
+                    files=len(estimate.files) if estimate is not None else 0, estimate=estimate,
+                    optimizer_elements=getattr(estimate, "optimizer_elements", 0),
+                    optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
+
+
+
+def _check_vllm(call: LoadRequest, estimate: Any, budgets: _Budgets) -> FitCheck:
+    """vllm.LLM: its reservation must be free, and its weights plus one max_model_len sequence must fit inside it."""
+    from .vllm import vllm_sizes
+
+    try:
+        sizes = vllm_sizes(call, estimate, _stored_float(estimate))
+    except OomMagicError as exc:
+        return _unknown(call, "cuda:0", str(exc), estimate)
+    place = "cuda:0"
+    base = _unknown(call, place, "", estimate, sizes.need, sizes.dtype)
+    free, total, context, why = budgets.device(place)
+    if free is None or total is None:
+        return replace(base, reason=why or "no reading of this GPU's total memory", free=free, context=context)
+    reserve = int(total * (call.memory_utilization or 0.9))
+    fits = reserve <= free - context and sizes.need <= reserve
+    return replace(base, verdict="fits" if fits else "will-not-fit", reason=None, free=free, context=context,
+                   reserve=reserve, kv_cache=sizes.kv_cache, max_model_len=sizes.max_model_len, target=budgets.target)
 
 
 def _check_auto(call: LoadRequest, estimate: Any, need: int, dtype: str | None, budgets: _Budgets,
@@ -490,12 +539,15 @@ def _check_auto(call: LoadRequest, estimate: Any, need: int, dtype: str | None, 
         place = gpu or "cpu"
         options = fit_options(estimate, device=place, need=need, dtype=dtype,
                               device_budget=dict(split).get(place, 0), ram_budget=ram, disk_budget=disk,
-                              offload_folder=call.offload_folder or "offload")
+                              offload_folder=call.offload_folder or "offload",
+                              compute_capability=budgets.capability(place))
         options, offload = _check_offload_plan(options, _peak_ratio(call, estimate, dtype))
     return FitCheck(call=call, device="auto", verdict=verdict, reason=None, need=need, dtype=dtype, free=free,
                     context=context, headroom=headroom, parameters=estimate.parameters, format=estimate.format,
                     declared_dtype=estimate.declared_dtype, split=tuple(split), options=options,
-                    files=len(estimate.files), estimate=estimate, target=budgets.target, offload=offload)
+                    files=len(estimate.files), estimate=estimate, target=budgets.target, offload=offload,
+                    optimizer_elements=getattr(estimate, "optimizer_elements", 0),
+                    optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
 
 
 class _PipelineEstimate:

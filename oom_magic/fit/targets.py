@@ -83,7 +83,15 @@ def _entry_target(entry: dict[str, Any], cuda_context: int, default_driver: int,
     reserve = total - device_total + cuda_context
     if device_total > total or reserve >= total:
         raise RuntimeError(f"{_DATA_FILE}: {name}'s figures are inconsistent (total {total}, device {device_total})")
-    return Target(name=name, total=total, usable=total - reserve, context_reserve=reserve, source="; ".join(parts))
+    capability = None
+    if entry.get("compute_capability") is not None:
+        if not entry.get("compute_capability_source"):
+            raise RuntimeError(f"{_DATA_FILE}: {name} has a compute_capability without compute_capability_source")
+        major, _, minor = str(entry["compute_capability"]).partition(".")
+        capability = (int(major), int(minor or 0))
+        parts.append(f"compute capability {entry['compute_capability']}: {entry['compute_capability_source']}")
+    return Target(name=name, total=total, usable=total - reserve, context_reserve=reserve, source="; ".join(parts),
+                  compute_capability=capability)
 
 
 @lru_cache(maxsize=1)

@@ -50,7 +50,8 @@ def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
              cuda_initialized_before: bool | None = None, headroom: int = 0,
              ram_budget: int | None = None, disk_budget: int | None = None,
              free_limit: str | None = None, process_limit: int | None = None,
-             kernels: Mapping[int, Any] | None = None, self_pid: int | None = None) -> Diagnosis:
+             kernels: Mapping[int, Any] | None = None, self_pid: int | None = None,
+             fit_budget: int | None = None) -> Diagnosis:
     """Rank the likely causes of an out-of-memory error, each with the numbers that show it.
 
     Every argument but the first is optional; the more figures, the sharper the answer.
@@ -69,6 +70,10 @@ def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
     ``torch.cuda.set_per_process_memory_fraction`` caps it (the message's "allowed" figure).
     ``kernels`` names the other processes that are Jupyter kernels of this user
     (``jupyter_kernels.find_jupyter_kernels``: pid -> notebook_path and stop_hint).
+    ``fit_budget`` is the budget the fit check before the load compared with (its
+    ``FitCheck.budget``): the ways to fit are sized against it, so the check before and the
+    diagnosis after give one verdict per option. Without it: the capacity − headroom, or on a cpu
+    whose free memory a limit bounds, the free memory before the load − headroom.
     """
     import os
 
@@ -103,7 +108,8 @@ def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
         _fragmentation(message, requested, largest_free_block, free, expandable_segments,
                        cuda_initialized_before, where),
         _too_big(requested, need, capacity, free, before, estimate, where, dtype, loader, headroom,
-                 ram_budget, disk_budget, capped=capacity != total),
+                 ram_budget, disk_budget, capped=capacity != total,
+                 budget=_fit_budget(fit_budget, capacity, before, headroom, where, free_limit)),
         _partial_load(given_back, still_held, estimate, where, free_now, headroom, dtype, loader,
                       ram_budget, disk_budget, need, requested),
     ) if c is not None]
@@ -121,6 +127,16 @@ def diagnose(oom: OOMMessage | str | None = None, *, device: str | None = None,
         notes.append(own_note)
     retry = _retry_verdict(requested, need, given_back, free_now, headroom)
     return Diagnosis(where, message, requested, free, total, shortfall, tuple(causes), retry, tuple(notes))
+
+
+def _fit_budget(given: int | None, capacity: int | None, before: DeviceReading | None, headroom: int,
+                device: str, free_limit: str | None) -> int | None:
+    """What the options are sized against: the fit check's budget, else what the device could ever give."""
+    if given is not None:
+        return given
+    if device == "cpu" and free_limit is not None and before is not None and before.free is not None:
+        return before.free - headroom  # under ulimit -v or a cgroup the machine's RAM is not the bound
+    return None if capacity is None else capacity - headroom
 
 
 def _first(*values: int | None) -> int | None:
@@ -274,7 +290,7 @@ def _fragmentation(message: OOMMessage | None, requested: int | None, largest_fr
 def _too_big(requested: int | None, need: int | None, total: int | None, free: int | None,
              before: DeviceReading | None, estimate: CheckpointEstimate | None, device: str,
              dtype: str | None, loader: str, headroom: int, ram_budget: int | None,
-             disk_budget: int | None, capped: bool = False) -> Cause | None:
+             disk_budget: int | None, capped: bool = False, budget: int | None = None) -> Cause | None:
     figures = (("need", need), ("requested", requested), ("total", total),
                ("free_before", before.free if before else None), ("headroom", headroom))
     flags: list[str] = ["process-limit"] if capped else []
@@ -292,9 +308,9 @@ def _too_big(requested: int | None, need: int | None, total: int | None, free: i
         return None
     options: tuple[FitOption, ...] = ()
     if estimate is not None and "not-the-weights" not in flags:
-        budget = None if total is None else total - headroom
         options = fit_options(estimate, device=device, need=need, dtype=dtype, loader=loader,
-                              device_budget=budget, ram_budget=ram_budget, disk_budget=disk_budget)
+                              device_budget=budget, ram_budget=budget if device == "cpu" else ram_budget,
+                              disk_budget=disk_budget)
     return Cause("too-big", score, figures, options=options, flags=tuple(flags))
 
 

@@ -118,7 +118,8 @@ def diagnose_failure(message: OOMMessage | None, start: AttemptStart, failed: At
         cuda_initialized_before=start.cuda_was_initialized, headroom=room,  # --target: a percentage of the target
         ram_budget=_ram_budget(headroom), disk_budget=_disk_budget(),
         free_limit=given.after.free_limit if device == "cpu" else None,
-        process_limit=given.after.process_cap, kernels=_other_kernels(device, message, failed.reading))
+        process_limit=given.after.process_cap, kernels=_other_kernels(device, message, failed.reading),
+        fit_budget=check.budget if check is not None and check.device == device and not check.split else None)
 
 
 def _fit_check(preflight: Preflight | None, device: str) -> FitCheck | None:

@@ -42,6 +42,8 @@ class FitOption(Shown):
     max_memory: tuple[tuple[int | str, int], ...] = ()
     offload_folder: str | None = None
     key: str | None = None  # skip-optimizer: the top-level key that holds the model weights
+    # what this option needs first and lacks here ("bitsandbytes", ...); set means it cannot work as is (fits False)
+    needs: str | None = None
 
     def code(self) -> str:
         """The change to make in the load call, as code to paste (the option's text form)."""

@@ -79,10 +79,20 @@ class FitCheck:
     ram_peak: int | None = None
     # a hub model not in the cache: bytes its download lacks on the disk of the hub cache; None = it fits or unknown
     download_short: int | None = None
+    # a training checkpoint's optimizer/scheduler state, beside `parameters` (which counts the model only)
+    optimizer_elements: int = 0
+    optimizer_bytes: int = 0
+    # vllm.LLM: what it reserves up front on this GPU (gpu_memory_utilization × total); `need` is its
+    # share of the weights plus the KV cache of one max_model_len sequence (`kv_cache`) and must fit inside
+    reserve: int | None = None
+    kv_cache: int | None = None
+    max_model_len: int | None = None
 
     @property
     def budget(self) -> int | None:
-        """Bytes the load may use: free − context − headroom (device + RAM for device_map="auto")."""
+        """Bytes the load may use: free − context − headroom (device + RAM for device_map="auto"; vLLM: its reserve)."""
+        if self.reserve is not None:
+            return self.reserve
         if self.split:
             return sum(b for _, b in self.split)
         if self.free is None:
@@ -90,11 +100,18 @@ class FitCheck:
         return self.free - self.context - self.headroom
 
     @property
-    def margin(self) -> int | None:
-        """Budget − need: what stays free after the load (negative: the shortfall)."""
-        if self.need is None or self.budget is None:
+    def peak_need(self) -> int | None:
+        """What the load needs at its peak: the weights, or the cpu load's RAM peak when that is higher."""
+        if self.need is None:
             return None
-        return self.budget - max(self.need, self.ram_peak or 0)
+        return max(self.need, self.ram_peak or 0)
+
+    @property
+    def margin(self) -> int | None:
+        """Budget − peak_need: what stays free after the load (negative: the shortfall)."""
+        if self.peak_need is None or self.budget is None:
+            return None
+        return self.budget - self.peak_need
 
 
 @dataclass(frozen=True)

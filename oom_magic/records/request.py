@@ -13,7 +13,8 @@ from .target import Target
 
 __all__ = ["LoadKind", "LoadRequest", "Origin"]
 
-LoadKind = Literal["from_pretrained", "torch.load", "load_file", "llama_cpp"]
+# "pipeline": transformers.pipeline(task, model=...), a from_pretrained underneath; "vllm": vllm.LLM(model=...)
+LoadKind = Literal["from_pretrained", "torch.load", "load_file", "llama_cpp", "pipeline", "vllm"]
 Origin = Literal["cell", "checkpoint"]  # a load written in a cell, or a checkpoint named to the command / fit_check()
 
 
@@ -50,3 +51,8 @@ class LoadRequest:
     n_ctx: int | None = None  # llama_cpp.Llama's n_ctx= (None: not given, llama-cpp-python's 512)
     # from_pretrained's token= (a hub token) for reading an uncached model's headers; never shown
     token: str | None = field(default=None, repr=False, compare=False)
+    # vllm.LLM: the share of each GPU it reserves up front, the context one sequence may reach
+    # (None: config.json's max_position_embeddings), and how many GPUs split the weights and the KV cache
+    memory_utilization: float | None = None
+    max_model_len: int | None = None
+    tensor_parallel: int = 1

@@ -18,6 +18,12 @@ class Target:
     usable: int           # what this process's PyTorch allocator can hold there: total - context_reserve
     context_reserve: int  # kept by the driver plus this process's CUDA context (assumed; see source)
     source: str           # where the figures come from, with the assumptions made
+    compute_capability: tuple[int, int] | None = None  # NVIDIA's (major, minor); None: not NVIDIA, or not recorded
+
+    @property
+    def native_bf16(self) -> bool | None:
+        """Whether the GPU computes in bfloat16 natively (NVIDIA: compute capability 8.0+); None when unknown."""
+        return None if self.compute_capability is None else self.compute_capability >= (8, 0)
 
     def __repr__(self) -> str:
         return f"Target({self.name!r}, total={self.total}, usable={self.usable})"

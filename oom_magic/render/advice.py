@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 OPTION_LABELS = {
     "bfloat16": "bf16/fp16",
     "int8": "8-bit (bitsandbytes)",
-    "nf4": "4-bit nf4 (bitsandbytes)",
+    "nf4": "4-bit nf4, double quant (bitsandbytes)",
     "device-map-auto": "spread over device + RAM",
     "offload-folder": "spill the rest to disk",
     "map-location-cpu": "load on CPU first",
@@ -27,6 +27,13 @@ OPTION_LABELS = {
     "mmap": "memory-map the file",
     "skip-optimizer": "model weights only",
 }
+
+
+def quantized_label(dtype: str, double_quant: bool) -> str:
+    """A load dtype as a size assumes it: 4-bit says whether its absmax is double-quantized (the figures differ)."""
+    if dtype in ("nf4", "fp4"):
+        return f"{dtype} {'with' if double_quant else 'without'} double quantization"
+    return dtype
 
 
 def size_literal(nbytes: int) -> str:
@@ -54,7 +61,7 @@ def option_code(option: FitOption) -> str:
     rest = f"torch.{option.dtype}" if option.dtype else "torch.bfloat16"
     kind = option.kind
     if kind == "bfloat16":
-        return "dtype=torch.bfloat16"
+        return f"dtype=torch.{option.dtype or 'bfloat16'}"
     if kind == "int8":
         return f"quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype={rest}"
     if kind == "nf4":
@@ -99,18 +106,34 @@ def target_label(target: Target) -> str:
     return f"{'an' if vowel else 'a'} {place}"
 
 
-def _verdict_word(fits: bool | None) -> str:
-    return "fits" if fits else "unknown" if fits is None else "too big"
+# Where bitsandbytes runs, said once under the options that need it (its installation guide, v0.48+).
+BITSANDBYTES_NOTE = ("8-bit and 4-bit loads need bitsandbytes, not installed here: pip install bitsandbytes "
+                     "(NVIDIA GPUs of compute capability 6.0+, 7.5+ for 8-bit; CPUs and Intel XPUs from 0.48; "
+                     "AMD ROCm experimental)")
+
+
+def _verdict_word(option: FitOption) -> str:
+    if option.needs:
+        return f"needs {option.needs}"
+    return "fits" if option.fits else "unknown" if option.fits is None else "too big"
 
 
 def option_rows(options: Iterable[FitOption], device: str) -> list[tuple[str, str, str, str]]:
     """(label, sizes, fits, code) for each option."""
-    return [(OPTION_LABELS.get(o.kind, o.kind), _option_sizes(o, device), _verdict_word(o.fits), option_code(o))
+    return [(OPTION_LABELS.get(o.kind, o.kind), _option_sizes(o, device), _verdict_word(o), option_code(o))
             for o in options]
 
 
 # Columns a plain-text line may take: JupyterLab breaks a longer output line wherever it runs out, mid-word.
 TEXT_WIDTH = 100
+
+
+def option_notes(options: Iterable[FitOption], indent: str = "") -> list[str]:
+    """What the options' 'needs' mean, once each (where bitsandbytes runs and how to install it), wrapped."""
+    if not any(o.needs == "bitsandbytes" for o in options):
+        return []
+    return textwrap.wrap(BITSANDBYTES_NOTE, TEXT_WIDTH, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def aligned_rows(rows: Sequence[tuple[str, ...]], indent: str) -> list[str]:

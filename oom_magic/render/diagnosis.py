@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 from ..records.diagnosis import Cause, Diagnosis, RetryVerdict
 from ..records.shown import renders
-from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, target_label, target_place
+from .advice import OPTION_LABELS, aligned_rows, option_code, option_notes, option_rows, target_label, target_place
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
 if TYPE_CHECKING:
@@ -119,9 +119,11 @@ def cause_text(cause: Cause, device: str = "the device", target: Target | None =
         if cause.options and target is not None:
             lines.append(f"   ways to fit on {target_label(target)} (sizes for this model):")
             lines += aligned_rows(option_rows(cause.options, target_place(target)), "     ")
+            lines += option_notes(cause.options, "     ")
         elif cause.options:
             lines.append("   ways to fit (sizes for this model):")
             lines += aligned_rows(option_rows(cause.options, device), "     ")
+            lines += option_notes(cause.options, "     ")
     elif kind == "partial-load":
         if f("given_back"):
             lines.append(f"what the failed cell had allocated ({format_bytes(f('given_back'))}) was given back; "

@@ -10,7 +10,8 @@ from ..records.hub import HubRead
 from ..records.llama_cpp import LlamaCppLoad
 from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
-from .guard import download_short_text, hub_read_text, lint_message, lint_text, option_code, preflight_html, preflight_text, target_label
+from .guard import (download_short_text, hub_read_text, lint_message, lint_text, need_phrase, option_code,
+                    preflight_html, preflight_text, target_label)
 from .json import record_dict
 from .units import format_bytes
 
@@ -22,15 +23,14 @@ def verdict_line(preflight: Preflight) -> str:
         return f"not checked: {reason}"
     if preflight.fits:
         check = preflight.checks[0]
-        return (f"fits on {_where(check)}{_sized_from(check)}: {format_bytes(check.need)} needed, "
-                f"{format_bytes(check.margin)} to spare")
+        return f"fits on {_where(check)}{_sized_from(check)}: {need_phrase(check)}, {format_bytes(check.margin)} to spare"
     check = preflight.will_not_fit[0]
     if check.verdict != "will-not-fit" and check.download_short and (
             check.local is None or check.local.verdict != "will-not-fit"):
         return f"WILL NOT FIT on disk: {download_short_text(check)}"
     first = next((o for o in check.options if o.fits), None)
     hint = f"; fits with {option_code(first)}" if first is not None else ""
-    return (f"WILL NOT FIT on {_where(check)}{_sized_from(check)}: {format_bytes(check.need)} needed, "
+    return (f"WILL NOT FIT on {_where(check)}{_sized_from(check)}: {need_phrase(check)}, "
             f"{format_bytes(-(check.margin or 0))} short{hint}")
 
 
@@ -59,9 +59,10 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
             "line": check.call.line, "source": check.call.source, "loader": check.call.kind,
             "checkpoint": check.call.checkpoint,
             "device": check.device, "verdict": check.verdict, "reason": check.reason,
-            "need": check.need, "dtype": check.dtype, "free": check.free, "context": check.context,
+            "need": check.need, "peak_need": check.peak_need, "ram_peak": check.ram_peak, "dtype": check.dtype, "free": check.free, "context": check.context,
             "headroom": check.headroom, "budget": check.budget, "margin": check.margin,
-            "parameters": check.parameters, "format": check.format, "files": check.files,
+            "parameters": check.parameters, "optimizer_elements": check.optimizer_elements,
+            "optimizer_bytes": check.optimizer_bytes, "format": check.format, "files": check.files,
             "split": [list(s) for s in check.split],
             # the request's target too: a load that could not be sized was still asked about that GPU
             "target": record_dict(target) if (target := check.target or check.call.target) is not None else None,

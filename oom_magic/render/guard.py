@@ -15,7 +15,8 @@ from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardR
 from ..records.hub import HubRead
 from ..records.llama_cpp import LlamaCppLoad
 from ..records.shown import renders
-from .advice import OPTION_LABELS, aligned_rows, option_code, option_rows, size_literal, target_label, target_place
+from .advice import (OPTION_LABELS, aligned_rows, option_code, option_notes, option_rows, quantized_label, size_literal, target_label,
+                     target_place)
 from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from ..records.target import Target
 
 __all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
-           "give_back_line", "guard_report_html", "guard_report_text", "lint_text", "option_code", "option_rows",
+           "give_back_line", "guard_report_html", "need_phrase", "guard_report_text", "lint_text", "option_code", "option_rows",
            "preflight_html", "preflight_text", "quiet_summary_html", "quiet_summary_text", "refusal_line",
            "rehearsal_line", "retry_line", "retry_text", "run_summary_text", "script_wording", "short_message",
            "size_literal", "target_label", "target_place", "worded_for"]
@@ -99,11 +100,20 @@ def _check_lines(check: FitCheck) -> list[str]:
                      f"it describes): {check.parameters:,} parameters, {format_bytes(check.need)} as "
                      f"{check.dtype or 'float32'}")
     elif check.parameters is not None:
-        as_what = f"as {check.dtype}" if check.dtype else "as stored"
+        as_what = f"as {quantized_label(check.dtype, call.double_quant)}" if check.dtype else "as stored"
         if isinstance(check.estimate, LlamaCppLoad):
             as_what = "on the GPU" if check.estimate.n_gpu_layers else "in RAM, with its KV cache"
+        counted = f"{check.parameters:,} parameters"
+        if check.optimizer_elements:  # a training checkpoint: the model's count, its optimizer state beside it
+            counted += (f" + optimizer state {check.optimizer_elements:,} elements "
+                        f"({format_bytes(check.optimizer_bytes)}, read by torch.load too)")
+        held = format_bytes(check.need)
+        if check.kv_cache is not None and check.need is not None:  # vLLM: the weights alone here
+            held = format_bytes(check.need - check.kv_cache)
+            if call.tensor_parallel > 1:
+                held += f" per GPU (1/{call.tensor_parallel}, tensor_parallel_size={call.tensor_parallel})"
         lines.append(f"{indent}checkpoint {call.checkpoint} ({check.format}, {check.files} file{'s' if check.files != 1 else ''}): "
-                     f"{check.parameters:,} parameters, {format_bytes(check.need)} {as_what}")
+                     f"{counted}, {held} {as_what}")
     elif not lines:
         lines.append(f"checkpoint {call.checkpoint}")
     hub = getattr(check.estimate, "hub", None)
@@ -120,6 +130,8 @@ def _check_lines(check: FitCheck) -> list[str]:
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
+    if check.reserve is not None:
+        return lines + _vllm_lines(check)
     if check.target is not None:
         return lines + _target_check_lines(check, check.target)
     if check.split:
@@ -133,20 +145,65 @@ def _check_lines(check: FitCheck) -> list[str]:
         if check.context:
             head += f" − {format_bytes(check.context)} CUDA context (estimate; not initialized yet)"
         head += f" − {format_bytes(check.headroom)} headroom = {format_bytes(check.budget)}"
-    if check.ram_peak is not None:  # the load's own peak, above the weights it keeps
-        head += f" (while loading, RAM peaks at {format_bytes(check.ram_peak)}: copies beside the file pages read)"
-    needs = format_bytes(max(check.need or 0, check.ram_peak or 0))
     if check.verdict == "fits":
-        lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare")
+        peak = (f" at the load's RAM peak ({format_bytes(check.peak_need)}: copies beside the file pages read; "
+                f"{format_bytes(check.need)} once loaded)") if check.ram_peak is not None else ""
+        lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare{peak}")
     else:
-        short = -(check.margin or 0)
-        lines.append(f"{head} → WILL NOT FIT: needs {needs}, {format_bytes(short)} short")
+        lines.append(f"{head} → WILL NOT FIT: {need_phrase(check)}, {format_bytes(-(check.margin or 0))} short")
     if check.options:
         lines.append("  ways to fit (sizes for this model on this machine):")
         place = check.device if check.device != "auto" else next(
             (d for d, _ in check.split if d not in ("cpu", "disk")), "cpu")
         lines += aligned_rows(option_rows(check.options, place), "    ")
+        lines += option_notes(check.options, "    ")
     return lines + _offload_lines(check)
+
+
+def _vllm_lines(check: FitCheck) -> list[str]:
+    """vLLM: its reservation against what is free, then weights + one sequence's KV cache inside it."""
+    assert check.reserve is not None and check.need is not None and check.free is not None
+    call, kv, length = check.call, check.kv_cache or 0, check.max_model_len or 0
+    total = round(check.reserve / (call.memory_utilization or 0.9))
+    where = f"on {target_label(check.target)}" if check.target is not None else check.device
+    free = check.free - check.context
+    context = f" − {format_bytes(check.context)} CUDA context" if check.context else ""
+    head = (f"  {where}: vLLM reserves {format_bytes(check.reserve)} up front (gpu_memory_utilization "
+            f"{call.memory_utilization:g} × {format_bytes(total)}); {format_bytes(check.free)} free{context}")
+    inside = (f"{format_bytes(check.need - kv)} of weights + {format_bytes(kv)} of KV cache for one "
+              f"{length:,}-token sequence = {format_bytes(check.need)}")
+    if check.reserve > free:
+        most = free / total if total else 0.0
+        return [head + f" → WILL NOT FIT: vLLM refuses to start, {format_bytes(check.reserve - free)} short "
+                       f"of its reservation",
+                f"  (it needs {inside}; gpu_memory_utilization={_floor2(most):g} is the most this GPU has free)"]
+    if check.need <= check.reserve:
+        return [head + f" → fits: needs {inside}, {format_bytes(check.reserve - check.need)} to spare "
+                       "(activations and CUDA graphs, profiled at startup, come out of it)"]
+    lines = [head + f" → WILL NOT FIT: needs {inside}, {format_bytes(check.need - check.reserve)} short"]
+    per_token = kv // length if length else 0
+    room = check.reserve - (check.need - kv)
+    if per_token and room > 0:
+        lines.append(f"  max_model_len={room // per_token:,} fits in the reservation")
+    if total and check.need <= free:
+        lines.append(f"  gpu_memory_utilization={_ceil2(check.need / total):g} holds it")
+    return lines
+
+
+def _floor2(x: float) -> float:
+    return int(x * 100) / 100
+
+
+def _ceil2(x: float) -> float:
+    return -int(-x * 100 // 1) / 100
+
+
+def need_phrase(check: FitCheck) -> str:
+    """'needs N' — the figure every shortfall subtracts from; a cpu load whose RAM peak is the need says so."""
+    if check.ram_peak is not None:
+        return (f"needs {format_bytes(check.peak_need)} at the load's RAM peak (copies beside the file pages read; "
+                f"{format_bytes(check.need)} once loaded)")
+    return f"needs {format_bytes(check.need)}"
 
 
 def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
@@ -171,6 +228,7 @@ def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
     if check.options:
         lines.append(f"  ways to fit on {label} (sizes for this model; RAM and disk are this machine's):")
         lines += aligned_rows(option_rows(check.options, place), "    ")
+        lines += option_notes(check.options, "    ")
     return lines + _offload_lines(check)
 
 
@@ -182,7 +240,7 @@ def _local_line(local: FitCheck) -> str:
     budget = f"{format_bytes(local.budget)} usable after headroom"
     if local.verdict == "fits":
         return f"  and here ({where}, where the cell runs): {budget} → fits, {format_bytes(local.margin)} to spare"
-    return (f"  and here ({where}, where the cell runs): {budget} → WILL NOT FIT: needs {format_bytes(local.need)}, "
+    return (f"  and here ({where}, where the cell runs): {budget} → WILL NOT FIT: {need_phrase(local)}, "
             f"{format_bytes(-(local.margin or 0))} short")
 
 
@@ -217,15 +275,15 @@ def refusal_line(preflight: Preflight) -> str:
         return one_line(f"--strict: line {check.call.line}: {download_short_text(check)}")
     if check.verdict != "will-not-fit" and local is not None and check.target is not None:  # --target: fits there, not here
         return (f"--strict: line {check.call.line} fits on {target_label(check.target)} but will not fit on this "
-                f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: needs "
-                f"{format_bytes(local.need)}, {format_bytes(-(local.margin or 0))} short")
+                f"machine ({'RAM' if local.device == 'cpu' else local.device}), where the cell runs: "
+                f"{need_phrase(local)}, {format_bytes(-(local.margin or 0))} short")
     short = -(check.margin or 0)
     first = next((o for o in check.options if o.fits), None)
     hint = f"; {OPTION_LABELS.get(first.kind, first.kind)} fits: {option_code(first)}" if first else ""
     where = target_label(check.target) if check.target is not None else check.device
     both = (f"; nor on this machine ({'RAM' if local.device == 'cpu' else local.device}): "
             f"{format_bytes(-(local.margin or 0))} short" if local is not None else "")
-    return one_line(f"--strict: line {check.call.line} will not fit on {where}: needs {format_bytes(check.need)}, "
+    return one_line(f"--strict: line {check.call.line} will not fit on {where}: {need_phrase(check)}, "
                     f"{format_bytes(short)} short{both}{hint}")
 
 

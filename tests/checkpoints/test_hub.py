@@ -81,7 +81,7 @@ def test_an_uncached_7b_fits_a_t4_from_its_headers_and_no_weight_byte_is_served(
 def test_float32_will_not_fit_a_t4_exit_1(hub, tmp_path):
     done, _ = _fit(hub, tmp_path, "org/llama7b", "--target", "T4", "--dtype", "float32")
     assert done.returncode == 1, done.stderr
-    assert "WILL NOT FIT on a T4: 25.10 GiB needed" in done.stdout
+    assert "WILL NOT FIT on a T4: needs 25.10 GiB, " in done.stdout
     assert hub.weight_bytes_sent() == 0
 
 

@@ -116,6 +116,7 @@ class FakeGpu:
     graphics_processes: list[tuple[int, int | None]] = field(default_factory=list)
     mig: list[FakeMig] | None = None
     max_mig_devices: int = 7
+    compute_capability: tuple[int, int] = (8, 0)  # nvmlDeviceGetCudaComputeCapability (A100: 8.0)
 
 
 class _Struct(ctypes.Structure):
@@ -370,6 +371,9 @@ class FakeNvml:
 
     def nvmlDeviceGetName(self, handle: _Handle) -> str | bytes:
         return self._str(handle.mig.name if handle.mig else handle.gpu.name)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: _Handle) -> tuple[int, int]:
+        return handle.gpu.compute_capability
 
     def nvmlDeviceGetUUID(self, handle: _Handle) -> str | bytes:
         return self._str(handle.mig.uuid if handle.mig else handle.gpu.uuid)
