@@ -214,7 +214,7 @@ def test_a_config_only_folder_says_no_weights_were_found(models):
     first, *_, verdict = done.stdout.strip().splitlines()
     assert first == (f"checkpoint {models['base'] / 'config_only'}: no weight files found; sized from config.json "
                      f"(the model it describes): {models['params']:,} parameters, 417.25 KiB as float32")
-    assert verdict.startswith("fits on cpu (no weights found: sized from config.json): 417.25 KiB needed")
+    assert verdict.startswith("fits on cpu (no weights found: sized from config.json): needs 417.25 KiB")
     assert 4 * models["params"] == 417.25 * 1024  # the figure printed is the real fp32 size of the model
 
 
