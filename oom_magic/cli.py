@@ -135,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _job(args: argparse.Namespace) -> int:
     """``--context`` / ``--train``: size the job and check it against the target GPUs."""
+    from .checkpoints.hub import hub_options
     from .common.errors import OomMagicError
     from .fit.job_fit import job_fit
     from .records.job import Job
@@ -147,7 +148,8 @@ def _job(args: argparse.Namespace) -> int:
             raise OomMagicError("--quantization is not sized with a job yet; use --train qlora for a 4-bit base")
         job = Job(context=1 if args.context is None else args.context, batch=args.batch, prompt=args.prompt, train=args.train,
                   lora_r=args.lora_r)
-        fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype)
+        with hub_options(timeout=args.hub_timeout):  # an uncached hub id: its config and headers, bounded
+            fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype)
     except OomMagicError as exc:
         return _fail(args.json, str(exc))
     if args.json:

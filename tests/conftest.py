@@ -9,6 +9,12 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from oom_magic.heap import user_code
+
+# This suite's own modules (tests.*, benchmarks) hold the shells they drive: they are not a notebook's
+# modules, whose globals would otherwise name every tensor of a test's shell as a user holder.
+user_code.HARNESS_PREFIXES = ("tests", "benchmarks", "conftest")
+
 
 @pytest.fixture(scope="session")
 def _global_ip():

@@ -117,15 +117,17 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
     the hub at ``revision`` (``token``: else HF_TOKEN or the saved login), within ``hub_timeout``
     seconds (default 10); a failure to read them is an ``OomMagicError`` of one line.
     """
+    job: Job | None = None
     if context is not None or train is not None:
         if target is None:
             raise OomMagicError("sizing a job needs target= (a GPU such as 'A10G', '2xA10G' or '24GiB')")
         job = Job(context=1 if context is None else context, batch=batch, prompt=prompt,
                   train=train, lora_r=lora_r)  # type: ignore[arg-type]  # check_job names a bad kind
-        return job_fit(path_or_cell_or_call, job, str(target), dtype=dtype)
     from ..checkpoints.hub import hub_options
 
     with hub_options(timeout=hub_timeout, token=token):
+        if job is not None:
+            return job_fit(path_or_cell_or_call, job, str(target), dtype=dtype)
         return _fit_check(path_or_cell_or_call, device=device, target=target, dtype=dtype,
                           quantization=quantization, headroom=headroom, namespace=namespace, revision=revision)
 

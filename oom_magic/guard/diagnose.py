@@ -182,7 +182,7 @@ def _other_processes(message: OOMMessage | None, reading: DeviceReading | None, 
     pairs: list[tuple[int, int]] = []
     if message is not None and message.processes:
         own = {self_pid, reading.own_listed_pid if reading is not None else None, _own_pid_in_message(message, self_pid)}
-        if not infos:  # the message alone: no NVML reading says who its pids are
+        if not infos and message.this_process is None:  # the message alone, and it names no "this process"
             own.add(_self_by_reserved(message, self_pid))
         pairs = [(pid, used) for pid, used in message.processes if pid not in own]
     else:

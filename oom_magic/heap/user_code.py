@@ -17,6 +17,9 @@ from typing import Any
 from .reads import module_dict, mro_has, type_dict
 
 _OWN_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Module names (and their submodules) never counted as the user's, even inside the notebook's folder:
+# a test harness's own modules, which hold the shell they drive (this project's suite sets its own).
+HARNESS_PREFIXES: tuple[str, ...] = ()
 # name -> (id of the module object, whether it is the user's, the folder it was judged against):
 # a module's file never changes, so each is judged once per folder.
 _VERDICTS: dict[str, tuple[int, bool, str]] = {}
@@ -46,7 +49,8 @@ def user_module_names(folder: str | None = None) -> dict[int, str]:
         if known is None or known[0] != id(module) or known[2] != base:
             if type(name) is not str or name == "__main__" or not mro_has(type(module), types.ModuleType):
                 continue
-            known = verdicts[name] = (id(module), _is_user_file(module, base, libraries), base)
+            harness = any(name == p or name.startswith(p + ".") for p in HARNESS_PREFIXES)
+            known = verdicts[name] = (id(module), not harness and _is_user_file(module, base, libraries), base)
         if known[1]:
             found[id(module)] = name
     return found

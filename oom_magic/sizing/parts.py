@@ -9,12 +9,17 @@ holds 1/N of the parameters, gradients and state, plus the largest layer gathere
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..checkpoints.estimate import estimate_checkpoint
-from ..checkpoints.files import find_checkpoint_files, resolve_checkpoint
+from ..checkpoints.files import find_checkpoint_files, resolve_checkpoint, uncached_hub_id
 from ..common.dtypes import canonical_dtype
 from ..common.errors import OomMagicError
 from ..records.job import TRAIN_KINDS, Job, JobParts
@@ -63,18 +68,39 @@ def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None 
         if dtype not in _FLOATS:
             raise OomMagicError(f"unknown dtype {dtype!r} for a job: use one of {', '.join(_FLOATS)} "
                                 "(--train qlora for a 4-bit base)")
-    found = find_checkpoint_files(resolve_checkpoint(path_or_id))
-    if found.config is None:
-        raise OomMagicError(f"{found.path}: no config.json beside the weights; sizing a job (its KV cache, "
-                            "its layers) needs the model's config")
     qlora = job.train == "qlora"
-    estimate = estimate_checkpoint(path_or_id, "nf4" if qlora else (dtype or "auto"))
-    compute = dtype or (estimate.declared_dtype if estimate.declared_dtype in _FLOATS
-                        else ("bfloat16" if qlora else "float32"))
-    lora = job.train in ("lora", "qlora")
-    probe = probe_job(found.config, compute, batch=job.batch, prompt=job.prompt_tokens, context=job.context,
-                      lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else ())
+    with _config_file(path_or_id) as config:
+        estimate = estimate_checkpoint(path_or_id, "nf4" if qlora else (dtype or "auto"))
+        compute = dtype or (estimate.declared_dtype if estimate.declared_dtype in _FLOATS
+                            else ("bfloat16" if qlora else "float32"))
+        lora = job.train in ("lora", "qlora")
+        probe = probe_job(config, compute, batch=job.batch, prompt=job.prompt_tokens, context=job.context,
+                          lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else ())
     return _sizing(estimate.bytes, probe, job)
+
+
+@contextmanager
+def _config_file(path_or_id: str | os.PathLike[str]) -> Iterator[Path]:
+    """The checkpoint's config.json: beside its weights, or for a hub model not in the cache, the one
+    the hub reader fetched (with the headers, never the weights), written to a temporary folder."""
+    remote = uncached_hub_id(path_or_id)
+    if remote is None:
+        found = find_checkpoint_files(resolve_checkpoint(path_or_id))
+        if found.config is None:
+            raise OomMagicError(f"{found.path}: no config.json beside the weights; sizing a job (its KV cache, "
+                                "its layers) needs the model's config")
+        yield found.config
+        return
+    from ..checkpoints.hub import read_hub_checkpoint
+
+    read = read_hub_checkpoint(remote)
+    if read.config is None:
+        raise OomMagicError(f"{remote}: the hub has no config.json for it; sizing a job (its KV cache, its layers) "
+                            "needs the model's config")
+    with tempfile.TemporaryDirectory(prefix="oom-magic-config-") as folder:
+        config = Path(folder) / "config.json"
+        config.write_text(json.dumps(read.config))
+        yield config
 
 
 def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:

@@ -85,6 +85,19 @@ def test_float32_will_not_fit_a_t4_exit_1(hub, tmp_path):
     assert hub.weight_bytes_sent() == 0
 
 
+def test_a_job_on_an_uncached_7b_is_sized_from_the_hubs_config_and_headers(hub, tmp_path):
+    """issue 23 + 22: the job sizes apply to a hub id too: the KV cache from the config the hub sent."""
+    done, _ = _fit(hub, tmp_path, "org/llama7b", "--target", "T4", "--dtype", "bfloat16", "--context", "4096",
+                   "--json")
+    assert done.returncode == 1, done.stderr  # 12.55 GiB of weights and a 2 GiB cache do not fit a T4
+    check = json.loads(done.stdout)
+    parts = check["checks"][0]["parts"] if "checks" in check else check["parts"]
+    # Llama-2-7B: 32 layers x 2 (K, V) x 32 heads x 128 x 2 bytes = 512 KiB a token, 4,096 tokens
+    assert parts["kv_cache"] == 32 * 2 * 32 * 128 * 2 * 4096
+    assert parts["weights"] == 2 * LLAMA7B_PARAMETERS
+    assert hub.weight_bytes_sent() == 0
+
+
 def test_remote_estimate_equals_the_local_one_and_is_read_once_per_revision(hub, tmp_path):
     from oom_magic.checkpoints.estimate import estimate_checkpoint
 

@@ -94,3 +94,16 @@ def test_a_library_held_tensor_is_reverified_then_claimed_by_a_variable(ip, user
     assert ip.run_cell("mine = libmod.GLOBAL", store_history=True).success
     user = _paths(ip.run_line_magic("gpumem", "-o --device cpu --all"), "user")
     assert user["mine"] == 160
+
+
+def test_a_test_harness_modules_are_not_the_notebooks() -> None:
+    """This suite's own modules sit in the working folder but hold the shells they drive: never user roots."""
+    from pathlib import Path
+
+    from oom_magic.heap import user_code
+
+    root = str(Path(__file__).resolve().parents[2])
+    assert "tests" in user_code.HARNESS_PREFIXES  # set by tests/conftest.py
+    names = set(user_code.user_module_names(root).values())
+    assert not {n for n in names if n == "tests" or n.startswith("tests.")}
+    assert "tests.conftest" in __import__("sys").modules  # there to be judged, and judged not the user's

@@ -63,7 +63,9 @@ def execute(name: str, workdir: Path) -> nbformat.NotebookNode:
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(workdir)}})
     try:
-        client.execute(env=dict(os.environ, IPYTHONDIR=str(workdir / ".ipython")))
+        # A fresh kernel's environment: not what an earlier guard in this worker process set (the allocator setting).
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        client.execute(env=dict(env, IPYTHONDIR=str(workdir / ".ipython")))
     finally:
         OUTPUT.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, OUTPUT / name.replace(".ipynb", ".executed.ipynb"))
@@ -113,6 +115,23 @@ def segment(nb: nbformat.NotebookNode, cell_id: str, label: str) -> str:
     match = re.search(rf"^\s+{re.escape(label)}\s{{2,}}(\d+(?:\.\d+)? (?:B|KiB|MiB|GiB|TiB))\b", report, re.M)
     assert match, f"no '{label}' row in {cell_id}'s report:\n{report}"
     return match.group(1)
+
+
+def tensors(nb: nbformat.NotebookNode, cell_id: str, label: str) -> float:
+    """MiB the tensors of one holder kind take: the bar's row plus, on the cpu, the part that views a
+    memory-mapped file (file pages, which the bar shows apart and the row's note or the stale line names)."""
+    report = result(nb, cell_id).data["text/plain"]
+    total = mib(segment(nb, cell_id, label))
+    row = re.search(rf"^\s+{re.escape(label)}\s{{2,}}.*$", report, re.M)
+    mapped = re.search(r"\(the (\d+(?:\.\d+)? \w+) mapped from files are file pages\)", row.group(0) if row else "")
+    if label == "stale":
+        mapped = re.search(r"^\s+stale is .*\((\d+(?:\.\d+)? \w+) of it file pages, not in the bar\)", report, re.M)
+    return total + (mib(mapped.group(1)) if mapped else 0.0)
+
+
+def same(figure_mib: float, expected: str) -> bool:
+    """A sum of printed figures against one printed figure: equal to the printing's two decimals."""
+    return abs(figure_mib - mib(expected)) <= 0.011 * max(1.0, mib(expected) / 1024)
 
 
 def mib(figure: str) -> float:
@@ -246,7 +265,7 @@ def test_quickstart_load_runs_under_guardload(quickstart: nbformat.NotebookNode)
 
 
 def test_quickstart_gpumem_names_the_model(quickstart: nbformat.NotebookNode) -> None:
-    assert segment(quickstart, "gpumem", "user") == MODEL
+    assert same(tensors(quickstart, "gpumem", "user"), MODEL)
     assert segment(quickstart, "gpumem", "stale") == "0 B"
     report = result(quickstart, "gpumem")
     assert re.search(rf"model\.lm_head\.weight\s+{EMBEDDINGS}\s+float32\s+16000×256\s+user", report.data["text/plain"])
@@ -256,8 +275,8 @@ def test_quickstart_gpumem_names_the_model(quickstart: nbformat.NotebookNode) ->
 
 def test_quickstart_stale_memory_is_found(quickstart: nbformat.NotebookNode) -> None:
     # The output cache keeps the 32 MiB result; the stored traceback keeps the 43.32 MiB staged.
-    assert segment(quickstart, "gpumem-stale", "stale") == STALE
-    assert segment(quickstart, "gpumem-stale", "user") == MODEL
+    assert same(tensors(quickstart, "gpumem-stale", "stale"), STALE)
+    assert same(tensors(quickstart, "gpumem-stale", "user"), MODEL)
     report = result(quickstart, "gpumem-stale").data["text/plain"]
     assert f"stale is output-cache {OUTPUT_TENSOR}, traceback {MODEL}" in report
     assert re.search(rf"Out\[\d+\]\s+{OUTPUT_TENSOR}\s+float32\s+8388608\s+output-cache", report)
@@ -292,7 +311,7 @@ def test_quickstart_freeall_gives_stale_memory_back(quickstart: nbformat.Noteboo
     assert "%debug of that error is gone" in report
     # After it: nothing stale, and the user's model untouched.
     assert segment(quickstart, "gpumem-after", "stale") == "0 B"
-    assert segment(quickstart, "gpumem-after", "user") == MODEL
+    assert same(tensors(quickstart, "gpumem-after", "user"), MODEL)
     assert "Out[" not in result(quickstart, "gpumem-after").data["text/plain"]
 
 
@@ -304,7 +323,8 @@ def test_quickstart_widget_under_the_load(quickstart: nbformat.NotebookNode) -> 
 def test_quickstart_widget_under_the_failed_load(quickstart: nbformat.NotebookNode) -> None:
     plain = widget_text(quickstart, "stale-traceback")
     # The after-cell view is the quick view (no heap scan) when a full scan would not fit its budget.
-    assert re.search(rf" · out of memory · stale {STALE}( \(quick view\))?$", plain.splitlines()[0]), plain
+    assert re.search(rf" · out of memory · stale {STALE}( \(quick view\))?( \(\S+ \S+ of it file pages\))?$",
+                     plain.splitlines()[0]), plain
     assert f"%freeall frees the {STALE} of stale tensors" in plain
 
 
@@ -352,9 +372,9 @@ def test_walkthrough_only_the_failed_load_raises(walkthrough: nbformat.NotebookN
 
 def test_walkthrough_fix1_clear_leftovers(walkthrough: nbformat.NotebookNode) -> None:
     leftovers = format_bytes(EMBEDDING_BYTES + MODEL_BYTES)  # Out[N] (lm_head) + the traceback
-    assert segment(walkthrough, "fix1-before", "stale") == leftovers
+    assert same(tensors(walkthrough, "fix1-before", "stale"), leftovers)
     # The playbook's gc.collect() + empty_cache() frees none of it ...
-    assert segment(walkthrough, "fix1-tutorial-after", "stale") == leftovers
+    assert same(tensors(walkthrough, "fix1-tutorial-after", "stale"), leftovers)
     # ... %freeall frees all of it.
     freed = result(walkthrough, "fix1-freeall").data["text/plain"].splitlines()[0]
     assert freed.startswith(f"freed {leftovers} on ") and f"(output-cache {EMBEDDINGS}, traceback {MODEL})" in freed
@@ -362,7 +382,7 @@ def test_walkthrough_fix1_clear_leftovers(walkthrough: nbformat.NotebookNode) ->
 
 
 def test_walkthrough_fix2_cpu_first(walkthrough: nbformat.NotebookNode) -> None:
-    assert segment(walkthrough, "fix2-after-report", "user") == MODEL
+    assert same(tensors(walkthrough, "fix2-after-report", "user"), MODEL)
     assert "state['lm_head.weight']" in result(walkthrough, "fix2-after-report").data["text/plain"]
     report = result(walkthrough, "fix2-freeall").data["text/plain"]
     assert report.splitlines()[0] == "deleted `state`"
@@ -385,8 +405,8 @@ def test_walkthrough_fix3_lower_precision(walkthrough: nbformat.NotebookNode) ->
     estimates = dict(re.findall(r"^\s*(\w+): (.+)$", text(walkthrough, "fix3-estimate"), re.M))
     assert estimates["float32"] == MODEL and estimates["bfloat16"] == MODEL_BF16
     assert mib(estimates["nf4"]) < mib(estimates["int8"]) < mib(MODEL_BF16)
-    assert segment(walkthrough, "fix3-fp32-report", "user") == MODEL
-    assert segment(walkthrough, "fix3-bf16-report", "user") == MODEL_BF16
+    assert same(tensors(walkthrough, "fix3-fp32-report", "user"), MODEL)
+    assert same(tensors(walkthrough, "fix3-bf16-report", "user"), MODEL_BF16)
     # %%guardload's own figures: the preflight's estimate for the dtype asked, then the cost.
     assert f"11,356,416 parameters, {MODEL_BF16} as bfloat16" in text(walkthrough, "fix3-bf16")
     assert re.search(rf"^  model: {MODEL_BF16} bfloat16 on {DEVICE} \(reassigned\)$",
@@ -396,7 +416,7 @@ def test_walkthrough_fix3_lower_precision(walkthrough: nbformat.NotebookNode) ->
 def test_walkthrough_fix4_offloaded(walkthrough: nbformat.NotebookNode) -> None:
     device_map = text(walkthrough, "fix4-map")
     assert "'lm_head': 'disk'" in device_map or "'lm_head': 'cpu'" in device_map
-    in_memory = mib(segment(walkthrough, "fix4-report", "user"))
+    in_memory = tensors(walkthrough, "fix4-report", "user")
     assert mib(EMBEDDINGS) <= in_memory < mib(MODEL)
     assert "meta/fake tensors hold no device bytes" in result(walkthrough, "fix4-report").data["text/plain"]
 
@@ -406,10 +426,10 @@ def test_walkthrough_fix5_no_optimizer_state(walkthrough: nbformat.NotebookNode)
     optimizer = format_bytes(2 * MODEL_BYTES)
     assert (f"train-checkpoint.pt is a training checkpoint: 'optimizer_state_dict' holds {optimizer} of its {whole}"
             in text(walkthrough, "fix5-before"))
-    assert segment(walkthrough, "fix5-before-report", "user") == whole
+    assert same(tensors(walkthrough, "fix5-before-report", "user"), whole)
     assert "ckpt['optimizer_state_dict']['state'][0]['exp_avg']" in result(walkthrough, "fix5-before-report").data["text/plain"]
     assert re.search(rf"^freed {whole} on \S+ \(user {whole}\)$", result(walkthrough, "fix5-freeall").data["text/plain"], re.M)
-    assert segment(walkthrough, "fix5-after-report", "user") == MODEL
+    assert same(tensors(walkthrough, "fix5-after-report", "user"), MODEL)
 
 
 def test_walkthrough_fix6_expandable_segments(walkthrough: nbformat.NotebookNode) -> None:
@@ -424,6 +444,6 @@ def test_walkthrough_fix6_expandable_segments(walkthrough: nbformat.NotebookNode
 
 def test_walkthrough_fix7_safetensors(walkthrough: nbformat.NotebookNode) -> None:
     assert "lint (line 1): pytorch_model.bin is a pickle, and model.safetensors beside it" in text(walkthrough, "fix7-before")
-    assert segment(walkthrough, "fix7-before-report", "user") == MODEL
-    assert segment(walkthrough, "fix7-after-report", "user") == EMBEDDINGS
+    assert same(tensors(walkthrough, "fix7-before-report", "user"), MODEL)
+    assert same(tensors(walkthrough, "fix7-after-report", "user"), EMBEDDINGS)
     assert "embeddings" in result(walkthrough, "fix7-after-report").data["text/plain"]
