@@ -74,7 +74,8 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         try:
             if freeing:
                 gc.collect()
-            empty_cache(torch, where)
+            if freeing or where != "cpu":  # trimming the C heap walks it: only once something was freed
+                empty_cache(torch, where)
             after = read_device(where, nvml)
             after_live = find_tensors(torch, where) if freeing else None
         except Exception as exc:

@@ -14,7 +14,7 @@ from typing import Any
 from ..common._torch import cuda_initialized
 from .roots import is_user_name
 
-__all__ = ["clear_frames", "drop_last_exception", "empty_cache", "forget_last_exception"]
+__all__ = ["clear_frames", "drop_last_exception", "empty_cache", "forget_last_exception", "trim_c_heap"]
 
 _CO_OPTIMIZED = 0x1  # inspect.CO_OPTIMIZED: a function frame (its locals are its own)
 # Python 3.10 has no exception groups: nothing there is one.
@@ -91,7 +91,10 @@ def drop_last_exception(namespace: dict) -> bool:
 
 
 def empty_cache(torch: Any, device: str) -> None:
-    """Hand PyTorch's cached, unused device memory back to the driver (CUDA once initialized, MPS)."""
+    """Hand cached, unused memory back: PyTorch's to the driver (CUDA once initialized, MPS), the C heap's to the OS (cpu)."""
+    if device == "cpu":
+        trim_c_heap()
+        return
     if torch is None:
         return
     try:
@@ -101,3 +104,30 @@ def empty_cache(torch: Any, device: str) -> None:
             torch.mps.empty_cache()
     except Exception:
         pass
+
+
+def trim_c_heap() -> bool:
+    """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``); False where there is no glibc.
+
+    A tensor freed from a chunk glibc had already reused (a heap that earlier cells fragmented)
+    stays resident until trimmed: without this, freeing a failed cpu load can leave the process's
+    resident memory where it was.
+    """
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim is False:
+        return False
+    try:
+        _malloc_trim(0)
+    except Exception:
+        return False
+    return True
+
+
+_malloc_trim: Any = None  # looked up once: glibc's malloc_trim, or False where the C library has none

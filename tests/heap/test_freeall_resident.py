@@ -27,3 +27,37 @@ def test_freeall_of_a_mapped_model_says_what_resident_memory_came_back(ip, tmp_p
     # issue 25 point 1: the mapped part is named as file pages, and only the rest is compared with RSS.
     assert report.freed_mapped is not None and report.freed_mapped >= 0.99 * weights
     assert "were views of a memory-mapped file: file pages" in text and "no memory came back for them" in text
+
+
+# A child Python, since mallopt's setting outlives the test: a 64 MiB block carved from glibc's heap
+# (not mmapped, as after earlier cells fragmented it) with a small block above it, so free() alone
+# cannot shrink the heap. Prints resident MiB: touched, after free(), after trim_c_heap().
+_FRAGMENTED_HEAP = r"""
+import ctypes, psutil, sys
+from oom_magic.heap.release import trim_c_heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+M_MMAP_THRESHOLD = -3
+libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)
+rss = lambda: psutil.Process().memory_info().rss >> 20
+size = 64 << 20
+block = libc.malloc(size)
+ctypes.memset(block, 1, size)
+above = libc.malloc(8 << 20)  # larger than any free chunk below: it lands above the block
+touched = rss()
+libc.free(block)
+freed = rss()
+print(touched, freed, rss() if trim_c_heap() else -1)
+"""
+
+
+def test_a_freed_block_inside_the_c_heap_goes_back_to_the_os_only_once_trimmed():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRAGMENTED_HEAP], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    touched, freed, trimmed = map(int, out.split())
+    assert touched - freed < 8  # free() left the 64 MiB resident: the case the guard's give-back met in CI
+    assert freed - trimmed >= 60  # trim_c_heap (glibc's malloc_trim) gave it back
