@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, MutableMapping
 from ..common._torch import cuda_initialized, loaded_torch
 from ..device.allocator import allocator_setting, apply_allocator_setting, dump_history, start_history, stop_history
 from ..heap.cleanup import FreeReport, free_stale
+from ..heap.release import trim_c_heap
 from ..device.reading import DeviceReading, default_device, resolve_device
 from ..common.errors import OomMagicError
 from .cell import compile_cell
@@ -425,6 +426,8 @@ class GuardedLoad:
         error = _error_line(exc)
         run.error_type = type(exc)
         message = parse_oom_message(_message(exc)) or parse_oom_message(text)
+        if run.device == "cpu":
+            trim_c_heap()  # pages earlier cells freed go back first: what the give-back returns is its own
         failed = at_failure(run.torch, run.device, self._read().reading)
         history_file = self._dump_history()
         given = give_back(exc, start, failed, torch=run.torch, device=run.device, shell=self.shell,

@@ -18,7 +18,7 @@ from ..device.nvml import Nvml
 from ..records.cleanup import FreeReport, StillHeld
 from ..device.mapped import file_mappings, mapped_bytes
 from ..records.snapshot import OTHER, STALE_KINDS, TRACEBACK, HolderKind, StorageRecord
-from .release import clear_frames, empty_cache, forget_last_exception
+from .release import clear_frames, empty_cache, forget_last_exception, trim_c_heap
 from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
 from .tracker import LiveTensors, find_tensors, tensor_types
 
@@ -43,6 +43,8 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
                             f"(check the spelling; %who lists your variables)")
     where = resolve_device(device, nvml)
     torch = loaded_torch()
+    if where == "cpu":
+        trim_c_heap()  # pages earlier cells freed go back first: the resident figure below is this cleanup's
     before = read_device(where, nvml)
     if torch is None:
         if not dry_run:
