@@ -136,7 +136,8 @@ def test_retry_runs_again_when_the_give_back_made_room(torch_ip, capsys):
     assert diagnosis.top.kind == "stale" and diagnosis.top.figure("stale_given_back") == 512 * MiB
     assert diagnosis.cause("other-processes") is None  # the address-space limit, not RAM, ran out
     assert diagnosis.retry.can_fit and diagnosis.retry.need == 384 * MiB
-    assert diagnosis.retry.free_now >= 700 * MiB and diagnosis.free <= 256 * MiB
+    # free at the failure: the 256 MiB of headroom (and what trimming the C heap unmapped), short of the 384 MiB
+    assert diagnosis.retry.free_now >= 700 * MiB and diagnosis.free < 384 * MiB
     assert report.variable("x").bytes == 384 * MiB and torch_ip.user_ns["x"].numel() == 384 * MiB
     out = capsys.readouterr().out
     assert "→ retry 2 of 2: running the cell again" in out

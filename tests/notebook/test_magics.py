@@ -179,7 +179,8 @@ def test_gpumem_shows_its_report_wherever_it_is_in_the_cell(ip):
         value = ok(ip, "%gpumem --device cpu\nafter = 1")
     shown = [o.data["text/plain"] for o in cap.outputs]
     assert len(shown) == 1 and shown[0].startswith("cpu ")
-    assert re.search(r"top holders \(1 of \d+\)\n\s+w\s+1\.00 MiB\s+float32\s+256×1024\s+user", shown[0]), shown[0]
+    # w first; a library's own small tensors (other) may follow when earlier tests in this worker imported it
+    assert re.search(r"top holders \(\d+ of \d+\)\n\s+w\s+1\.00 MiB\s+float32\s+256×1024\s+user", shown[0]), shown[0]
     assert value is None and ip.user_ns["after"] == 1
     with capture_output() as cap:
         ok(ip, "s = %gpumem --device cpu")
