@@ -23,14 +23,28 @@ def _global_ip():
     return start_ipython()
 
 
+_tests_started = 0  # in this process (an xdist worker)
+_collected_after = -1  # the test whose teardown ended with a full collection
+
+
+@pytest.hookimpl(tryfirst=True)  # before any fixture of the test is set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _tests_started
+    _tests_started += 1
+
+
 @pytest.fixture
 def ip(_global_ip):
     """The real IPython shell, extension loaded, user namespace and history reset afterwards.
 
     It starts with no garbage of earlier tests (a full collection first): under xdist a test follows
-    any other, and a reference cycle one left behind would show in this test's scans as stale."""
+    any other, and a reference cycle one left behind would show in this test's scans as stale. When
+    the test just before was one of these, its teardown's collection already did that (each full
+    collection costs 0.2-0.4 s with torch and transformers on the heap)."""
+    global _collected_after
     shell = _global_ip
-    gc.collect()
+    if _collected_after != _tests_started - 1:
+        gc.collect()
     shell.run_line_magic("load_ext", "oom_magic")
     yield shell
     # %reset runs two full collections of its own, each up to a second with torch and transformers
@@ -49,6 +63,7 @@ def ip(_global_ip):
             delattr(sys, attr)
     shell.last_execution_result = None
     gc.collect()
+    _collected_after = _tests_started
 
 
 @pytest.fixture

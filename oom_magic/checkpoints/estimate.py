@@ -164,6 +164,19 @@ class CheckpointEstimate:
         return held_bytes(self._rules_dir, canonical, unquantized_dtype=rest, double_quant=double_quant,
                           skip_modules=skip_modules)
 
+    def prepare_rules(self, loads: tuple[tuple[str, bool], ...], *, unquantized_dtype: str = "bfloat16") -> None:
+        """Size these loads ((dtype, double_quant) each) by transformers' rules in one pass (see hf_rules.prepare).
+
+        bytes_for then answers each of them without starting a child process of its own.
+        """
+        from .hf_rules import MAX_TENSORS, prepare
+
+        asked = tuple((c, dq) for c, dq in ((_canonical_request(d), dq) for d, dq in loads)
+                      if c in QUANTIZED or c == "float16")
+        if self._rules_dir is None or not asked or self._sizes.stored_tensors > MAX_TENSORS:
+            return
+        prepare(self._rules_dir, asked, unquantized_dtype=_canonical_request(unquantized_dtype))
+
     def __repr__(self) -> str:
         return (
             f"CheckpointEstimate(path={self.path!r}, format={self.format!r}, files={len(self.files)},"

@@ -22,20 +22,19 @@ time and memory (config_size.run_child), which imports them. Built models are bo
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
 from ..common._torch import loaded_torch
 from ..common.dtypes import FLOAT_BYTES, QUANTIZED
 
-__all__ = ["HeldBytes", "MAX_TENSORS", "held_bytes"]
+__all__ = ["HeldBytes", "MAX_TENSORS", "held_bytes", "prepare"]
 
 MAX_TENSORS = 20_000  # a meta model past this (a 1000-layer config) is not worth a second of build
 _BLOCK = 64  # BitsAndBytesConfig's 4-bit blocksize
@@ -69,26 +68,58 @@ def held_bytes(
     rest of the weights in ``unquantized_dtype``). None when torch or transformers is missing,
     the config cannot be built, or the model has more than ``MAX_TENSORS`` tensors.
     """
-    config = Path(config_dir) / "config.json"
-    try:
-        stamp = config.stat().st_mtime_ns
-    except OSError:
-        return None
-    return _held_cached(str(config.resolve()), stamp, dtype, unquantized_dtype, double_quant,
-                        tuple(skip_modules) if skip_modules is not None else None)
+    prepare(config_dir, ((dtype, double_quant),), unquantized_dtype=unquantized_dtype, skip_modules=skip_modules)
+    config = _config_file(config_dir)
+    return None if config is None else _held.get(_key(*config, dtype, unquantized_dtype, double_quant, skip_modules))
 
 
-@functools.lru_cache(maxsize=32)
-def _held_cached(config: str, stamp: int, dtype: str, rest: str, double_quant: bool,
-                 skip: tuple[str, ...] | None) -> HeldBytes | None:
-    del stamp  # part of the cache key only: an edited config.json is sized again
+def prepare(config_dir: str | os.PathLike[str], loads: Iterable[tuple[str, bool]], *,
+            unquantized_dtype: str = "bfloat16", skip_modules: tuple[str, ...] | None = None) -> None:
+    """Size several loads ((dtype, double_quant) each) of one model in one pass, for held_bytes to answer.
+
+    Without torch imported here, one child process answers them all: starting one costs seconds
+    (importing torch and transformers), and a check that does not fit asks for three.
+    """
+    config = _config_file(config_dir)
+    if config is None:
+        return
+    skip = tuple(skip_modules) if skip_modules is not None else None
+    wanted = {_key(*config, d, unquantized_dtype, dq, skip): (d, dq) for d, dq in loads}
+    missing = {k: v for k, v in wanted.items() if k not in _held}
+    if not missing:
+        return
+    if len(_held) > 256:
+        _held.clear()
     try:
         modules = _loaded()
         if modules is None:  # built in a bounded child, which imports torch and transformers
-            return _held_in_child(Path(config), dtype, rest, double_quant, skip)
-        return held_in_process(*modules, Path(config), dtype, rest, double_quant, skip)
+            answers = _held_in_child(Path(config[0]), list(missing.values()), unquantized_dtype, skip)
+        else:
+            answers = [held_in_process(*modules, Path(config[0]), d, unquantized_dtype, dq, skip)
+                       for d, dq in missing.values()]
     except Exception:  # noqa: BLE001 - transformers' internals move; header arithmetic stays the answer
+        answers = [None] * len(missing)
+    _held.update(zip(missing, answers))
+
+
+# (config file, its mtime, dtype, unquantized dtype, double quant, skipped modules) -> the answer; the
+# mtime in the key: an edited config.json is sized again.
+_held: dict[tuple, HeldBytes | None] = {}
+
+
+def _config_file(config_dir: str | os.PathLike[str]) -> tuple[str, int] | None:
+    config = Path(config_dir) / "config.json"
+    try:
+        return str(config.resolve()), config.stat().st_mtime_ns
+    except OSError:
         return None
+
+
+def _key(config: str, stamp: int, dtype: str, rest: str, double_quant: bool,
+         skip: tuple[str, ...] | None) -> tuple:
+    if dtype not in QUANTIZED:  # a float load: the quantization settings do not change it
+        rest, double_quant, skip = "", False, None
+    return (config, stamp, dtype, rest, double_quant, tuple(skip) if skip is not None else None)
 
 
 def _loaded() -> tuple[ModuleType, ModuleType] | None:
@@ -106,23 +137,29 @@ try:
 except ImportError as exc:
     print(json.dumps({"missing": str(exc)})); sys.exit(0)
 from oom_magic.checkpoints.hf_rules import held_in_process
-config, dtype, rest, double_quant, skip = json.loads(sys.argv[1])
-held = held_in_process(torch, transformers, Path(config), dtype, rest, double_quant,
-                       None if skip is None else tuple(skip))
-print(json.dumps({"held": None if held is None else dataclasses.asdict(held)}))
+config, loads, rest, skip = json.loads(sys.argv[1])
+answers = []
+for dtype, double_quant in loads:
+    try:
+        held = held_in_process(torch, transformers, Path(config), dtype, rest, double_quant,
+                               None if skip is None else tuple(skip))
+    except Exception:
+        held = None
+    answers.append(None if held is None else dataclasses.asdict(held))
+print(json.dumps({"held": answers}))
 """
 
 
-def _held_in_child(config: Path, dtype: str, rest: str, double_quant: bool,
-                   skip: tuple[str, ...] | None) -> HeldBytes | None:
+def _held_in_child(config: Path, loads: list[tuple[str, bool]], rest: str,
+                   skip: tuple[str, ...] | None) -> list[HeldBytes | None]:
     from .config_size import run_child
 
-    answer = run_child(_CHILD, [json.dumps([str(config), dtype, rest, double_quant, skip])], str(config))
+    answer = run_child(_CHILD, [json.dumps([str(config), loads, rest, skip])], str(config))
     held = answer.get("held")
-    if not isinstance(held, dict):
-        return None
-    held["modules_not_converted"] = tuple(held["modules_not_converted"])
-    return HeldBytes(**held)
+    if not isinstance(held, list) or len(held) != len(loads):
+        return [None] * len(loads)
+    return [HeldBytes(**dict(h, modules_not_converted=tuple(h["modules_not_converted"])))
+            if isinstance(h, dict) else None for h in held]
 
 
 def held_in_process(torch: Any, transformers: Any, config: Path, dtype: str, rest: str, double_quant: bool,

@@ -69,11 +69,16 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
     current = _canonical(dtype)
     # No native bfloat16 below compute capability 8.0 (T4, V100): float16 is the half that runs there.
     half_dtype = "float16" if compute_capability is not None and compute_capability < (8, 0) else _HALF
+    rest = current if current in ("bfloat16", "float16") else half_dtype
+    # the three figures below, sized together (one child process, not three, when torch is not imported)
+    asked = [(half_dtype, False)] if current not in ("bfloat16", "float16", "int8", "nf4") else []
+    asked += [("int8", False)] if current not in ("int8", "nf4") else []
+    asked += [("nf4", True)] if current != "nf4" else []
+    estimate.prepare_rules(tuple(asked), unquantized_dtype=rest)
     if current not in ("bfloat16", "float16", "int8", "nf4"):
         half = estimate.bytes_for(half_dtype)
         if half < need:
             options.append(FitOption("bfloat16", half, fits(half, device_budget), dtype=half_dtype))
-    rest = current if current in ("bfloat16", "float16") else half_dtype
     if current not in ("int8", "nf4"):
         int8 = estimate.bytes_for("int8", unquantized_dtype=rest)
         options.append(_quantized(FitOption("int8", int8, fits(int8, device_budget), dtype=rest), compute_capability))

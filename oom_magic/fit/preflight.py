@@ -572,6 +572,10 @@ class _PipelineEstimate:
     def bytes_for(self, dtype: str, **kwargs: Any) -> int:
         return sum(p.bytes_for(dtype, **kwargs) for p in self.parts)
 
+    def prepare_rules(self, loads: tuple[tuple[str, bool], ...], **kwargs: Any) -> None:
+        for p in self.parts:
+            p.prepare_rules(loads, **kwargs)
+
 
 def _estimate(checkpoint: str, follow_transformers: bool = False, revision: str | None = None) -> Any:
     """estimate_checkpoint, or for a diffusers pipeline folder the sum over its weight folders."""

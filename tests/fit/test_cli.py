@@ -95,6 +95,23 @@ def test_will_not_fit_on_a_target_exits_1_with_options_that_fit(models):
     assert both.checks[0].local is not None  # a device given as well: checked here too
 
 
+def test_the_options_of_a_check_that_does_not_fit_are_sized_in_one_child_process(models):
+    # The command imports no torch: transformers' rules for float16, int8 and nf4 are asked of a child
+    # Python, and each child costs seconds of imports. Counted by wrapping the one place children start.
+    code = ("import sys\n"
+            "from oom_magic.checkpoints import config_size\n"
+            "from oom_magic.cli import main\n"
+            "asked = []\n"
+            "real = config_size.run_child\n"
+            "config_size.run_child = lambda code, args, label: asked.append(args) or real(code, args, label)\n"
+            "status = main(['fit', sys.argv[1], '--target', 'T4', '--headroom', '15GiB'])\n"
+            "print('torch' in sys.modules, len(asked), status, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(models["base"] / "single")], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1"), timeout=120)
+    assert done.stderr.split()[-3:] == ["False", "1", "1"], done.stderr
+    assert all(row in done.stdout for row in ("bf16/fp16 ", "8-bit (bitsandbytes) ", "4-bit nf4, double quant"))
+
+
 def test_json_holds_the_same_figures_as_fit_check(models):
     path = str(models["base"] / "single")
     done = run_fit(path, "--target", "16GiB", "--dtype", "bfloat16", "--json")
