@@ -23,6 +23,27 @@ def _global_ip():
     return start_ipython()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sizing_children_start_warm() -> Iterator[None]:
+    """Sizing children (config_size.run_child) fork from one interpreter that has imported torch and
+    transformers already (tests/zygote.py): the same script, bounds and answer file, seconds less each."""
+    import os
+
+    from oom_magic.checkpoints import config_size
+    from tests.zygote import Zygote
+
+    if os.environ.get("OOM_MAGIC_TEST_FRESH_CHILDREN"):  # each child a fresh interpreter, as the product starts them
+        yield
+        return
+    zygote = Zygote()
+    config_size.start_child = zygote.start_child
+    try:
+        yield
+    finally:
+        config_size.start_child = config_size._popen
+        zygote.close()
+
+
 _tests_started = 0  # in this process (an xdist worker)
 _collected_after = -1  # the test whose teardown ended with a full collection
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from ..common.errors import OomMagicError
 
-__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "declared_layers", "run_child", "size_from_config"]
+__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "child_env", "declared_layers", "run_child", "size_from_config",
+           "start_child"]
 
 MAX_LAYERS = 4096  # more than any released model has (the deepest have a few hundred)
 TIME_LIMIT = 120.0  # seconds
@@ -113,7 +114,7 @@ def size_from_config(config: Path, declared: str | None) -> list[tuple[str, str,
     return list(_cache[key])
 
 
-def _wait_bounded(proc: subprocess.Popen[bytes], config: Path) -> None:
+def _wait_bounded(proc: Any, config: Path) -> None:
     """Wait for the child, killing it (OomMagicError) past MEMORY_LIMIT resident or TIME_LIMIT seconds."""
     import psutil
 
@@ -135,6 +136,24 @@ def _wait_bounded(proc: subprocess.Popen[bytes], config: Path) -> None:
         time.sleep(0.05)
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a sizing child: no GPU, no network, this package importable."""
+    package_root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+
+
+def _popen(code: str, args: list[str], env: dict[str, str], answer_file: Any) -> Any:
+    return subprocess.Popen([sys.executable, "-c", code, *args],
+                            stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
+
+
+# How a sizing child starts: a fresh interpreter. Anything with Popen's pid, poll(), kill(), wait() and
+# returncode may stand in (the test suite forks its children from one warm interpreter: tests/zygote.py).
+start_child = _popen
+
+
 def run_child(code: str, args: list[str], label: str) -> dict[str, Any]:
     """Run ``code`` in a child Python bounded in time and memory; return the JSON object it prints last.
 
@@ -142,16 +161,11 @@ def run_child(code: str, args: list[str], label: str) -> dict[str, Any]:
     package. Raises OomMagicError naming ``label`` when it runs past a bound, prints no JSON
     object, or reports torch or transformers missing (``{"missing": ...}``).
     """
-    package_root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", PYTHONPATH=path)
     config = Path(label)
     # Its answer goes to a file, not a pipe: a big model's rows fill a pipe's 64 KiB and the child
     # would block writing them while this loop waits for it to exit.
     with tempfile.TemporaryFile() as answer_file:
-        proc = subprocess.Popen([sys.executable, "-c", code, *args],
-                                stdin=subprocess.DEVNULL, stdout=answer_file, stderr=subprocess.DEVNULL, env=env)
+        proc = start_child(code, args, child_env(), answer_file)
         try:
             _wait_bounded(proc, config)
             answer_file.seek(0)
