@@ -23,6 +23,24 @@ def _global_ip():
     return start_ipython()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under --dist loadgroup, stop where the xdist_group marks would not take effect.
+
+    pytest 9.2 with pytest-xdist 3.8 drops them silently (pytest-xdist#1386): the real kernels and
+    the browser would run side by side, and each module fixture would be built on both workers."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    from importlib.metadata import version
+
+    def release(name: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in version(name).split(".")[:2] if p.isdigit())
+
+    if release("pytest") >= (9, 2) and release("pytest-xdist") <= (3, 8):
+        raise pytest.UsageError(f"pytest {version('pytest')} with pytest-xdist {version('pytest-xdist')} ignores "
+                                "xdist_group under --dist loadgroup (pytest-xdist#1386): install 'pytest<9.2' "
+                                "(make test does)")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _sizing_children_start_warm() -> Iterator[None]:
     """Sizing children (config_size.run_child) fork from one interpreter that has imported torch and

@@ -29,6 +29,9 @@ from oom_magic.checkpoints.estimate import estimate_checkpoint
 from oom_magic.fit.options import bitsandbytes_installed
 from oom_magic.render.units import format_bytes
 
+# Its module fixtures (two saved models, a command run) are built once, on one xdist worker.
+pytestmark = pytest.mark.xdist_group("fit_figures")
+
 ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
 # A Llama whose float32 copy (~160 MiB) and its cast's RAM peak differ by tens of MiB.

@@ -25,6 +25,9 @@ from typing import Any
 
 import pytest
 
+# The 10 M-object session (its module fixture) runs once, on one xdist worker.
+pytestmark = pytest.mark.xdist_group("scale")
+
 ROOT = Path(__file__).resolve().parents[2]
 OBJECTS = 10_000_000
 
