@@ -497,6 +497,10 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
             module_child = False
             if tag == "keypath":
                 key_shown = key_text(step[1])
+                # a key named only as this same dict's key (d.keys()[<T>]) reads d[<T key>], however the
+                # walk reached it first: one name for one holder
+                if key_shown is not None and key_shown.startswith(_joined(parts) + ".keys()[<"):
+                    key_shown = None
                 text = f"[{key_shown}]" if key_shown is not None else f"[<{step[2]} key>]"
             elif tag == "flat":
                 text = f"[{step[1]}]" if len(step) > 2 and step[2] == 1 else f".flat[{step[1]}]"
@@ -510,6 +514,10 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
     if len(shown) > MAX_SHOWN_STEPS:
         shown = shown[:8] + [" … "] + shown[-8:]
     return parts[0] + "".join(shown)
+
+
+def _joined(parts: list[str]) -> str:
+    return parts[0] + "".join(p for p in parts[1:] if p)
 
 
 def _key_repr(key: Any) -> str:

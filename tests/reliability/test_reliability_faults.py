@@ -652,7 +652,7 @@ def test_a_library_dict_keyed_by_a_hostile_object_does_not_break_gpumem(ip) -> N
     '''))
     snap = ip.run_line_magic("gpumem", "-o")
     held = {r.holder_path for r in snap.storages if r.holder_kind == "user"}  # the key never by its repr:
-    assert held & {"Registry.cache[<BadKey key>]", "Registry.cache[Registry.cache.keys()[<BadKey>]]"}, held
+    assert "Registry.cache[<BadKey key>]" in held, held
     assert ip.user_ns["REPRS"] == []
 
 
