@@ -4,6 +4,8 @@ The record it returns (``Snapshot``) lives in ``records.snapshot``; it is re-exp
 """
 from __future__ import annotations
 
+import gc
+
 import time
 from dataclasses import replace
 from typing import Any
@@ -74,6 +76,12 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     if not attribution.complete:
         notes.append(f"holder walk stopped after {attribution.nodes_walked:,} objects: "
                      + ("some holders are shown as 'other'" if heap_scan else "tensors beyond it are not counted"))
+    frozen = gc.get_freeze_count() if heap_scan else 0
+    if frozen:
+        # gc.get_objects() skips the permanent generation: what gc.freeze() moved there is not seen
+        notes.append(f"{frozen:,} objects were frozen by gc.freeze() (servers do it after start-up) and are "
+                     "outside the heap scan: tensors among them are not counted; gc.unfreeze() before "
+                     "%gpumem shows them")
     if live.byteless:
         notes.append(f"{live.byteless} meta/fake tensors hold no device bytes and are not counted")
     if live.unreadable:

@@ -271,3 +271,21 @@ def test_the_users_classes_and_modules_are_read_without_user_code(ip, armed, tmp
     finally:
         armed["ARMED"][0] = False
         sys.modules.pop("loudmod", None)
+
+
+def test_tensors_frozen_by_gc_freeze_are_outside_the_scan_and_the_report_says_so():
+    # gc.get_objects() skips the permanent generation gc.freeze() moves objects to (servers freeze
+    # their heap after start-up): the scan cannot see those tensors, so the report must say so.
+    frozen = torch.ones(12_345)
+    address = frozen.untyped_storage().data_ptr()
+    gc.collect()
+    gc.freeze()
+    try:
+        snap = oom_magic.snapshot("cpu")
+    finally:
+        gc.unfreeze()
+    assert address not in {s.address for s in snap.storages}
+    assert any("frozen by gc.freeze()" in note and "gc.unfreeze()" in note for note in snap.notes), snap.notes
+    seen = oom_magic.snapshot("cpu")
+    assert address in {s.address for s in seen.storages}
+    assert not any("gc.freeze()" in note for note in seen.notes)
