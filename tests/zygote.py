@@ -115,14 +115,20 @@ class Zygote:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
         self._env: dict[str, str] | None = None
+        self._unavailable = False
 
     def start_child(self, code: str, args: list[str], env: dict[str, str], answer_file: Any) -> Any:
         from oom_magic.checkpoints import config_size
 
-        if not sys.platform.startswith("linux") or (self._env is not None and _settings(env) != _settings(self._env)):
+        if (not sys.platform.startswith("linux") or self._unavailable
+                or (self._env is not None and _settings(env) != _settings(self._env))):
             return config_size._popen(code, args, env, answer_file)
         if self._proc is None or self._proc.poll() is not None:
-            self._start(env)
+            try:
+                self._start(env)
+            except RuntimeError:  # no torch or transformers here (make test-pythons): fresh children
+                self._unavailable = True
+                return config_size._popen(code, args, env, answer_file)
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         fd, status_file = tempfile.mkstemp(prefix="oom-magic-child-")
         os.close(fd)
@@ -140,6 +146,7 @@ class Zygote:
                                       stderr=subprocess.DEVNULL, text=True, env=env)
         assert self._proc.stdout is not None
         if self._proc.stdout.readline().strip() != "ready":
+            self.close()
             raise RuntimeError("the sizing zygote did not start")
 
     def close(self) -> None:
