@@ -144,12 +144,10 @@ def _job(args: argparse.Namespace) -> int:
     try:
         if args.target is None:
             raise OomMagicError("sizing a job needs --target GPU (T4, A10G, 2xA10G, 24GiB, ...)")
-        if args.quantization is not None:
-            raise OomMagicError("--quantization is not sized with a job yet; use --train qlora for a 4-bit base")
         job = Job(context=1 if args.context is None else args.context, batch=args.batch, prompt=args.prompt, train=args.train,
                   lora_r=args.lora_r)
         with hub_options(timeout=args.hub_timeout):  # an uncached hub id: its config and headers, bounded
-            fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype)
+            fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype, quantization=args.quantization)
     except OomMagicError as exc:
         return _fail(args.json, str(exc))
     if args.json:

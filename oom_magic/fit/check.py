@@ -127,7 +127,7 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
 
     with hub_options(timeout=hub_timeout, token=token):
         if job is not None:
-            return job_fit(path_or_cell_or_call, job, str(target), dtype=dtype)
+            return job_fit(path_or_cell_or_call, job, str(target), dtype=dtype, quantization=quantization)
         return _fit_check(path_or_cell_or_call, device=device, target=target, dtype=dtype,
                           quantization=quantization, headroom=headroom, namespace=namespace, revision=revision)
 

@@ -32,14 +32,16 @@ def split_target(text: str) -> tuple[int, str]:
     return count, match.group(2).strip()
 
 
-def job_fit(path_or_id: str | os.PathLike[str], job: Job, target: str, *, dtype: str | None = None) -> JobFit:
-    """Size ``job`` on the checkpoint and check it against ``target`` ("T4", "2xA10G", "24GiB")."""
+def job_fit(path_or_id: str | os.PathLike[str], job: Job, target: str, *, dtype: str | None = None,
+            quantization: str | None = None) -> JobFit:
+    """Size ``job`` on the checkpoint (``quantization``: see sizing.parts.size_job) and check it against
+    ``target`` ("T4", "2xA10G", "24GiB")."""
     count, name = split_target(target)
     if count > 1 and job.gpus == 1:
         job = Job(**{**job.__dict__, "gpus": count})
     check_job(job)
     usable = parse_target(name).usable
-    sizing = size_job(path_or_id, job, dtype=dtype)
+    sizing = size_job(path_or_id, job, dtype=dtype, quantization=quantization)
     return _verdict(str(path_or_id), job, sizing, name, usable)
 
 

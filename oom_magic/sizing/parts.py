@@ -15,12 +15,12 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..checkpoints.estimate import estimate_checkpoint
 from ..checkpoints.files import find_checkpoint_files, resolve_checkpoint, uncached_hub_id
-from ..common.dtypes import canonical_dtype
+from ..common.dtypes import QUANTIZED, canonical_dtype
 from ..common.errors import OomMagicError
 from ..records.job import TRAIN_KINDS, Job, JobParts
 from .probe import JobProbe, probe_job
@@ -55,8 +55,13 @@ def check_job(job: Job) -> Job:
     return job
 
 
-def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None = None) -> JobSizing:
+def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None = None,
+             quantization: str | None = None) -> JobSizing:
     """The parts ``job`` holds when the checkpoint is loaded as ``dtype`` (default: its config's dtype).
+
+    ``quantization`` ('int8', 'nf4', 'fp4': bitsandbytes, inference only) sizes the weights as
+    transformers quantizes them; the weights it leaves alone and the KV cache are in the compute
+    dtype: ``dtype``, else the config's, else bfloat16.
 
     Needs the config.json beside the weights (the cache and the layers come from it). Raises
     OomMagicError with one line for a bad job, a checkpoint without a config, or a model that
@@ -69,10 +74,19 @@ def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None 
             raise OomMagicError(f"unknown dtype {dtype!r} for a job: use one of {', '.join(_FLOATS)} "
                                 "(--train qlora for a 4-bit base)")
     qlora = job.train == "qlora"
+    if quantization is not None:
+        quantization = canonical_dtype(quantization)
+        if quantization not in QUANTIZED:
+            raise OomMagicError(f"unknown quantization {quantization!r} for a job: use int8, nf4 or fp4")
+        if job.train:
+            raise OomMagicError("a quantized fine-tune is sized as --train qlora (a 4-bit base with LoRA adapters); "
+                                "leave out --quantization")
     with _config_file(path_or_id) as config:
-        estimate = estimate_checkpoint(path_or_id, "nf4" if qlora else (dtype or "auto"))
+        estimate = estimate_checkpoint(path_or_id, "nf4" if qlora else None if quantization else (dtype or "auto"))
         compute = dtype or (estimate.declared_dtype if estimate.declared_dtype in _FLOATS
-                            else ("bfloat16" if qlora else "float32"))
+                            else ("bfloat16" if qlora or quantization else "float32"))
+        if quantization is not None:  # the weights bitsandbytes leaves alone stay in the compute dtype
+            estimate = replace(estimate, bytes=estimate.bytes_for(quantization, unquantized_dtype=compute))
         lora = job.train in ("lora", "qlora")
         probe = probe_job(config, compute, batch=job.batch, prompt=job.prompt_tokens, context=job.context,
                           lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else ())

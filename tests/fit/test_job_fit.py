@@ -103,3 +103,26 @@ def test_the_largest_context_is_the_last_that_fits_when_sized_again(tmp_path):
     assert largest is not None and largest > 40
     assert size_job(tmp_path, Job(context=largest, prompt=16)).parts.total <= usable
     assert size_job(tmp_path, Job(context=largest + 1, prompt=16)).parts.total > usable
+
+
+def test_a_4bit_inference_job_holds_transformers_nf4_weights_and_a_bfloat16_cache(llama):
+    # "Does the 4-bit load generate at this context on a T4?": the weights as transformers quantizes
+    # them (hf_rules: its own modules-not-to-convert and bitsandbytes' layout), the cache in the
+    # compute dtype (here bfloat16), held to a real cache of the model cast to bfloat16.
+    folder, model = llama
+    fit = oom_magic.fit_check(folder, target="T4", context=40, batch=2, quantization="nf4", dtype="bfloat16")
+    estimate = estimate_checkpoint(folder, follow_transformers=True)
+    assert fit.parts.weights == estimate.held_by_rules("nf4", unquantized_dtype="bfloat16").bytes
+    # no dtype: the config's (float32 here), as transformers 5 loads the weights it does not quantize
+    as_saved = oom_magic.fit_check(folder, target="T4", context=40, batch=2, quantization="nf4")
+    assert as_saved.parts.weights == estimate.held_by_rules("nf4", unquantized_dtype="float32").bytes
+    half = build("llama-gqa").to(torch.bfloat16)
+    with torch.no_grad():
+        real = half(input_ids=torch.randint(3, 256, (2, 40)), use_cache=True).past_key_values
+    assert fit.parts.kv_cache == cache_storage_bytes(real)
+    done = _fit(str(folder), "--context", "40", "--batch", "2", "--target", "T4", "--quantization", "nf4",
+                "--dtype", "bfloat16", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["checks"][0]["parts"]["kv_cache"] == fit.parts.kv_cache
+    refused = _fit(str(folder), "--train", "adamw", "--target", "T4", "--quantization", "nf4")
+    assert refused.returncode == 2 and "--train qlora" in refused.stderr and len(refused.stderr.splitlines()) == 1
