@@ -105,9 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .common.errors import OomMagicError
     from .fit.check import fit_check
 
+    gguf = args.file is not None or str(args.checkpoint).endswith(".gguf")
+    if gguf and (args.context is not None or args.train is not None):
+        problem = _as_llama_cpp_job(args)
+        if problem is not None:
+            return _fail(args.json, problem)
     if args.context is not None or args.train is not None:
         return _job(args)
-    if args.file is not None or str(args.checkpoint).endswith(".gguf"):
+    if gguf:
         return _gguf(args)
     try:
         checked = fit_check(args.checkpoint, device=args.device, target=args.target, dtype=args.dtype,
@@ -131,6 +136,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"oom-magic fit: nothing was checked; {_unchecked_fix(preflight, args.target)}", file=sys.stderr)
         return BAD_INPUT
     return FITS if preflight.fits else WILL_NOT_FIT
+
+
+def _as_llama_cpp_job(args: argparse.Namespace) -> str | None:
+    """A GGUF file's job is llama.cpp's context: ``--context`` becomes ``--n-ctx`` (one cache, shared by
+    every sequence); what llama.cpp's load does not take is a one-line problem."""
+    if args.train is not None:
+        return "a GGUF file runs in llama.cpp, which oom-magic does not size a fine-tune for: --train needs a " \
+               "transformers checkpoint (a folder or hub id with config.json)"
+    if args.batch != 1 or args.prompt is not None:
+        return "llama.cpp's cache holds --n-ctx tokens shared by all sequences: give the total as --context, " \
+               "without --batch or --prompt"
+    if args.n_ctx is not None and args.n_ctx != args.context:
+        return f"--context {args.context} and --n-ctx {args.n_ctx} are the same setting for a GGUF file: give one"
+    args.n_ctx, args.context = args.context, None
+    return None
 
 
 def _job(args: argparse.Namespace) -> int:

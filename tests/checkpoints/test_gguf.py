@@ -3,6 +3,7 @@ ggml types (checked against its GGUFReader), llama.cpp's KV cache and GPU/CPU sp
 read from the local hub (tests/hubserver.py) by growing range reads."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -116,6 +117,25 @@ def test_the_command_checks_a_local_gguf_against_a_target(small, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "oom_magic", "fit", str(tmp_path / "none.gguf"), "--target", "T4"],
                          env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "no such GGUF file" in bad.stderr
+
+
+def test_a_gguf_jobs_context_is_llama_cpps_n_ctx(small):
+    # The job flags apply to a GGUF file as llama.cpp runs it: one cache of n_ctx tokens.
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    def fit(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "oom_magic", "fit", str(small), "--target", "T4", "--json", *args],
+                              env=env, capture_output=True, text=True, timeout=60)
+
+    as_job, as_n_ctx = fit("--context", "1024"), fit("--n-ctx", "1024")
+    assert as_job.returncode == 0, as_job.stderr
+    assert json.loads(as_job.stdout) == json.loads(as_n_ctx.stdout)
+    assert json.loads(as_job.stdout)["kv_cache_bytes"] == 4 * 2 * 1024 * 64 * 2  # 4 layers, K and V, f16
+    for args, said in ((("--context", "1024", "--train", "lora"), "--train needs a transformers checkpoint"),
+                       (("--context", "1024", "--batch", "4"), "shared by all sequences"),
+                       (("--context", "1024", "--n-ctx", "2048"), "give one")):
+        refused = fit(*args)
+        assert refused.returncode == 2 and said in refused.stdout + refused.stderr, (args, refused)
 
 
 def test_a_7b_q4_k_m_too_big_for_a_t4_at_long_context(tmp_path):
