@@ -43,6 +43,14 @@ def _print_json(data: object) -> None:
     print(json.dumps(data, indent=2), flush=True)
 
 
+def _show(as_json: bool, report: object) -> None:
+    """The report on stdout: under --json a dict as JSON, else its text."""
+    if as_json:
+        _print_json(report)
+    else:
+        print(report, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: ``oom-magic fit CHECKPOINT [options]``."""
     parser = _Parser(prog="oom-magic", description="Fit checks for model loads, from checkpoint headers only.")
@@ -170,10 +178,7 @@ def _job(args: argparse.Namespace) -> int:
             fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype, quantization=args.quantization)
     except OomMagicError as exc:
         return _fail(args.json, str(exc))
-    if args.json:
-        _print_json(job_fit_dict(fit))
-    else:
-        print(job_fit_text(fit), flush=True)
+    _show(args.json, job_fit_dict(fit) if args.json else job_fit_text(fit))
     return FITS if fit.fits else WILL_NOT_FIT
 
 
@@ -193,10 +198,7 @@ def _gguf(args: argparse.Namespace) -> int:
                                   device=args.device if args.device and args.device.startswith("cuda") else "cuda:0")
     except OomMagicError as exc:
         return _fail(args.json, str(exc))
-    if args.json:
-        _print_json(record_dict(load))
-    else:
-        print(llama_cpp_text(load), flush=True)
+    _show(args.json, record_dict(load) if args.json else llama_cpp_text(load))
     if load.fits is None:
         print("oom-magic fit: not checked: no GPU budget here; pass --target GPU (T4, 16GiB, ...)", file=sys.stderr)
         return BAD_INPUT

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..common.errors import OomMagicError
 
-__all__ = ["MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "child_env", "declared_layers", "run_child", "size_from_config",
+__all__ = ["CONFIG_CHILD_PRELUDE", "MAX_LAYERS", "MEMORY_LIMIT", "TIME_LIMIT", "child_env", "declared_layers", "run_child", "size_from_config",
            "start_child"]
 
 MAX_LAYERS = 4096  # more than any released model has (the deepest have a few hundred)
@@ -29,10 +29,10 @@ _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "num_de
                "encoder_layers", "decoder_layers", "num_encoder_layers")
 _cache: dict[tuple, list[tuple[str, str, tuple[int, ...], int, int]]] = {}
 
-# Run by the child: build on meta, print one JSON line of (name, dtype, shape, elements, bytes).
-_CHILD = r"""
+# How a sizing child that reads a config starts (argv[1]: the config's folder): torch and transformers
+# imported, else {"missing"}; ``first(exc)``, an error's first line; ``config`` read, else {"unreadable"}.
+CONFIG_CHILD_PRELUDE = r"""
 import json, sys
-folder, declared = sys.argv[1], sys.argv[2]
 try:
     import torch, transformers
 except ImportError as exc:
@@ -41,9 +41,14 @@ def first(exc):
     text = str(exc).strip()
     return (text.splitlines()[0] if text else type(exc).__name__)[:160]
 try:
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+    config = transformers.AutoConfig.from_pretrained(sys.argv[1], local_files_only=True, trust_remote_code=False)
 except Exception as exc:
     print(json.dumps({"unreadable": first(exc)})); sys.exit(0)
+"""
+
+# Run by the child: build on meta, print one JSON line of (name, dtype, shape, elements, bytes).
+_CHILD = CONFIG_CHILD_PRELUDE + r"""
+declared = sys.argv[2]
 dtype = getattr(torch, declared) if declared else torch.float32
 candidates = []
 for arch in getattr(config, "architectures", None) or []:

@@ -68,9 +68,7 @@ def held_bytes(
     rest of the weights in ``unquantized_dtype``). None when torch or transformers is missing,
     the config cannot be built, or the model has more than ``MAX_TENSORS`` tensors.
     """
-    prepare(config_dir, ((dtype, double_quant),), unquantized_dtype=unquantized_dtype, skip_modules=skip_modules)
-    config = _config_file(config_dir)
-    return None if config is None else _held.get(_key(*config, dtype, unquantized_dtype, double_quant, skip_modules))
+    return _sized(config_dir, ((dtype, double_quant),), unquantized_dtype, skip_modules)[0]
 
 
 def prepare(config_dir: str | os.PathLike[str], loads: Iterable[tuple[str, bool]], *,
@@ -80,22 +78,33 @@ def prepare(config_dir: str | os.PathLike[str], loads: Iterable[tuple[str, bool]
     Without torch imported here, one child process answers them all: starting one costs seconds
     (importing torch and transformers), and a check that does not fit asks for three.
     """
+    _sized(config_dir, tuple(loads), unquantized_dtype, skip_modules)
+
+
+def _sized(config_dir: str | os.PathLike[str], loads: tuple[tuple[str, bool], ...], rest: str,
+           skip_modules: tuple[str, ...] | None) -> list[HeldBytes | None]:
+    """The answer for each load, the ones not cached yet sized together (one child at most)."""
     config = _config_file(config_dir)
     if config is None:
-        return
+        return [None] * len(loads)
     skip = tuple(skip_modules) if skip_modules is not None else None
-    wanted = {_key(*config, d, unquantized_dtype, dq, skip): (d, dq) for d, dq in loads}
-    missing = {k: v for k, v in wanted.items() if k not in _held}
-    if not missing:
-        return
-    if len(_held) > 256:
+    keys = [_key(*config, d, rest, dq, skip) for d, dq in loads]
+    if len(_held) > 256:  # bounded; cleared before, not after, what was asked is looked up
         _held.clear()
+    missing = {k: load for k, load in zip(keys, loads) if k not in _held}
+    if missing:
+        _size(Path(config[0]), missing, rest, skip)
+    return [_held.get(k) for k in keys]
+
+
+def _size(config: Path, missing: dict[tuple, tuple[str, bool]], unquantized_dtype: str,
+          skip: tuple[str, ...] | None) -> None:
     try:
         modules = _loaded()
         if modules is None:  # built in a bounded child, which imports torch and transformers
-            answers = _held_in_child(Path(config[0]), list(missing.values()), unquantized_dtype, skip)
+            answers = _held_in_child(config, list(missing.values()), unquantized_dtype, skip)
         else:
-            answers = [held_in_process(*modules, Path(config[0]), d, unquantized_dtype, dq, skip)
+            answers = [held_in_process(*modules, config, d, unquantized_dtype, dq, skip)
                        for d, dq in missing.values()]
     except Exception:  # noqa: BLE001 - transformers' internals move; header arithmetic stays the answer
         answers = [None] * len(missing)

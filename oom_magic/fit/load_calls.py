@@ -378,16 +378,20 @@ def _given(node: ast.Call, resolver: Resolver, extra: Mapping[object, object], *
     return next((extra[n] for n in names if n in extra), None)
 
 
+def _model_checkpoint(node: ast.Call, position: int, resolver: Resolver,
+                      absent: str) -> tuple[str | None, str | None]:
+    """(checkpoint, why it is unresolved) from a call's ``model`` argument; ``absent`` when it has none."""
+    model_node = _arg(node, position, "model")
+    if model_node is None:
+        return None, absent
+    return _checkpoint_text(resolver.value(model_node))
+
+
 def _describe_pipeline(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
     """transformers.pipeline(task, model=..., device=..., device_map=..., dtype=..., model_kwargs=...): a from_pretrained."""
     notes: list[str] = []
-    model_node = _arg(node, 1, "model")
-    checkpoint: str | None
-    unresolved: str | None
-    if model_node is None:
-        checkpoint, unresolved = None, "pipeline() without model= loads the task's default model, chosen when the cell runs"
-    else:
-        checkpoint, unresolved = _checkpoint_text(resolver.value(model_node))
+    checkpoint, unresolved = _model_checkpoint(
+        node, 1, resolver, "pipeline() without model= loads the task's default model, chosen when the cell runs")
     extra = resolver.value(_arg(node, None, "model_kwargs"))
     if isinstance(extra, Unknown):
         notes.append(f"model_kwargs: {extra.reason}")
@@ -425,13 +429,7 @@ def _describe_pipeline(node: ast.Call, stmt: ast.stmt, resolver: Resolver, paren
 def _describe_vllm(node: ast.Call, stmt: ast.stmt, resolver: Resolver, parents: dict[int, ast.AST]) -> LoadRequest:
     """vllm.LLM(model=, dtype=, quantization=, gpu_memory_utilization=, max_model_len=, tensor_parallel_size=)."""
     notes: list[str] = []
-    model_node = _arg(node, 0, "model")
-    checkpoint: str | None
-    unresolved: str | None
-    if model_node is None:
-        checkpoint, unresolved = None, "LLM() without model= names no checkpoint"
-    else:
-        checkpoint, unresolved = _checkpoint_text(resolver.value(model_node))
+    checkpoint, unresolved = _model_checkpoint(node, 0, resolver, "LLM() without model= names no checkpoint")
     dtype = _dtype_of(resolver.value(_arg(node, None, "dtype")))
     if isinstance(dtype, Unknown):
         notes.append(f"dtype: {dtype.reason}")

@@ -70,19 +70,20 @@ def fit_options(estimate: CheckpointEstimate, *, device: str, need: int | None =
     # No native bfloat16 below compute capability 8.0 (T4, V100): float16 is the half that runs there.
     half_dtype = "float16" if compute_capability is not None and compute_capability < (8, 0) else _HALF
     rest = current if current in ("bfloat16", "float16") else half_dtype
-    # the three figures below, sized together (one child process, not three, when torch is not imported)
-    asked = [(half_dtype, False)] if current not in ("bfloat16", "float16", "int8", "nf4") else []
-    asked += [("int8", False)] if current not in ("int8", "nf4") else []
-    asked += [("nf4", True)] if current != "nf4" else []
-    estimate.prepare_rules(tuple(asked), unquantized_dtype=rest)
-    if current not in ("bfloat16", "float16", "int8", "nf4"):
+    offer_half = current not in ("bfloat16", "float16", "int8", "nf4")
+    offer_int8 = current not in ("int8", "nf4")
+    offer_nf4 = current != "nf4"
+    # the figures below, sized together (one child process, not three, when torch is not imported)
+    asked = (((half_dtype, False), offer_half), (("int8", False), offer_int8), (("nf4", True), offer_nf4))
+    estimate.prepare_rules(tuple(load for load, offered in asked if offered), unquantized_dtype=rest)
+    if offer_half:
         half = estimate.bytes_for(half_dtype)
         if half < need:
             options.append(FitOption("bfloat16", half, fits(half, device_budget), dtype=half_dtype))
-    if current not in ("int8", "nf4"):
+    if offer_int8:
         int8 = estimate.bytes_for("int8", unquantized_dtype=rest)
         options.append(_quantized(FitOption("int8", int8, fits(int8, device_budget), dtype=rest), compute_capability))
-    if current != "nf4":
+    if offer_nf4:
         nf4 = estimate.bytes_for("nf4", double_quant=True, unquantized_dtype=rest)
         options.append(_quantized(FitOption("nf4", nf4, fits(nf4, device_budget), dtype=rest), compute_capability))
     options += _spread_options(need, device, current, device_budget, ram_budget, disk_budget, offload_folder)

@@ -106,6 +106,9 @@ def empty_cache(torch: Any, device: str) -> None:
         pass
 
 
+_malloc_trim: Any = None  # looked up once: glibc's malloc_trim, or False where the C library has none
+
+
 def trim_c_heap() -> bool:
     """Return the C heap's free pages to the OS (glibc's ``malloc_trim(0)``); False where there is no glibc.
 
@@ -129,5 +132,3 @@ def trim_c_heap() -> bool:
         return False
     return True
 
-
-_malloc_trim: Any = None  # looked up once: glibc's malloc_trim, or False where the C library has none

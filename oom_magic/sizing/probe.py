@@ -20,29 +20,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..checkpoints.config_size import run_child
+from ..checkpoints.config_size import CONFIG_CHILD_PRELUDE, run_child
 from ..common.errors import OomMagicError
 
 __all__ = ["JobProbe", "probe_job"]
 
 # Run by the child: argv = folder, dtype, batch, prompt, context, lora_r (0: none), lora targets (JSON).
-_CHILD = r"""
-import json, sys, weakref
-folder, declared, batch, prompt, context, lora_r, targets = sys.argv[1:8]
+_CHILD = CONFIG_CHILD_PRELUDE + r"""
+import weakref
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+declared, batch, prompt, context, lora_r, targets = sys.argv[2:8]
 batch, prompt, context, lora_r, targets = int(batch), int(prompt), int(context), int(lora_r), json.loads(targets)
-try:
-    import torch, transformers
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_flatten
-except ImportError as exc:
-    print(json.dumps({"missing": str(exc)})); sys.exit(0)
-def first(exc):
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:160]
-try:
-    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-except Exception as exc:
-    print(json.dumps({"unreadable": first(exc)})); sys.exit(0)
 dtype = getattr(torch, declared) if declared else torch.float32
 encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
 autos = [transformers.AutoModelForSeq2SeqLM] if encoder_decoder else [transformers.AutoModelForCausalLM]
