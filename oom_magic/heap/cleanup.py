@@ -58,9 +58,6 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
     maps_before = file_mappings() if where == "cpu" else None
     storages, kind_before, named, survivors = _act(torch, types, where, shell, namespace, names, dry_run)
     notes: list[str] = []
-    if not dry_run and TRACEBACK in kind_before.values():
-        notes.append("the stored exception's frames were cleared: its printed traceback stays on screen, "
-                     "but %debug of that error is gone")
     still: tuple[StillHeld, ...]
     if dry_run:
         gone = set(storages) - survivors
@@ -75,11 +72,10 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
         after_live = None
         try:
             if freeing:
-                gc.collect()
+                after_live = _until_stale_gone(torch, types, where, shell, namespace, kind_before)
             if freeing or where != "cpu":  # trimming the C heap walks it: only once something was freed
                 empty_cache(torch, where)
             after = read_device(where, nvml)
-            after_live = find_tensors(torch, where) if freeing else None
         except Exception as exc:
             after_live = None
             notes.append(f"the cleanup ran, but measuring what it gave back failed ({_why(exc)}): "
@@ -93,6 +89,9 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
                     notes.append(f"could not tell what still holds the deleted variables' memory ({_why(exc)})")
             finally:
                 after_live.release()
+    if not dry_run and TRACEBACK in kind_before.values():  # a later round may have cleared one too
+        notes.insert(0, "the stored exception's frames were cleared: its printed traceback stays on screen, "
+                        "but %debug of that error is gone")
     by_kind: dict[HolderKind, int] = {}
     for key in gone:
         by_kind[kind_before[key]] = by_kind.get(kind_before[key], 0) + storages[key].bytes
@@ -162,6 +161,28 @@ def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: 
         return dict(live.storages), kinds, named, survivors
     finally:
         live.release()
+
+
+def _until_stale_gone(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: dict,
+                      kinds: dict[int, HolderKind], rounds: int = 3) -> LiveTensors:
+    """Collect and look again; while stale storages survive, give back what holds them now.
+
+    A stale tensor is named by one holder, the first found: one an exception in the output cache
+    also reaches through the stored traceback is still held once the output cache lets go. Each
+    further round (only then) attributes again; ``kinds`` is updated to what held a storage last.
+    """
+    gc.collect()
+    live = find_tensors(torch, where)
+    for _ in range(rounds - 1):
+        left = [k for k, kind in kinds.items() if kind in STALE_KINDS and k in live.storages]
+        if not left:
+            break
+        live.release()
+        _, again, _, _ = _act(torch, types, where, shell, namespace, (), False)
+        kinds.update((k, again[k]) for k in left if k in again)
+        gc.collect()
+        live = find_tensors(torch, where)
+    return live
 
 
 def _reachable_from_names(live: LiveTensors, roots: Roots, names: tuple[str, ...], torch: Any,

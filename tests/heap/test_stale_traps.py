@@ -73,6 +73,34 @@ load()
     assert shell.user_ns["w"]() is None
 
 
+def test_an_exception_shown_and_raised_again_is_freed_in_one_freeall(shell):
+    """Both the output cache (the exception shown as a cell's value) and the stored traceback (raised
+    again) reach the failed function's local; the first holder found is the output cache. One
+    %freeall gives back both the shown tensor and the local (found by a hypothesis run)."""
+    run(shell, """
+def fail():
+    local_tensor = torch.full((1024, 1024), 7.0)
+    global w
+    w = weakref.ref(local_tensor)
+    raise ValueError("failed with a local tensor")
+try:
+    fail()
+except Exception as caught:
+    e = caught
+""")
+    ok(shell, "torch.ones(256, 1024)")  # Out[N]: 1 MiB
+    ok(shell, "e")  # the exception shown: the output cache reaches the local through it
+    run(shell, "raise e")  # and the stored traceback too
+    ok(shell, "del e")
+    assert gpumem(shell).stale_bytes == 5 * MiB
+    report = freeall(shell)
+    assert report.freed_bytes == 5 * MiB
+    assert report.kind_bytes("output-cache") == 1 * MiB and report.kind_bytes("traceback") == 4 * MiB
+    assert any("%debug" in n for n in report.notes)
+    assert shell.user_ns["w"]() is None
+    assert freeall(shell).freed_bytes == 0 and gpumem(shell).stale_bytes == 0
+
+
 def test_trap3_reference_cycle(shell):
     ok(shell, """
 gc.disable()
