@@ -36,9 +36,15 @@ def _show(result: object) -> None:
 def _parse_line(magic: object, line: str) -> argparse.Namespace:
     """The magic's arguments; a line shlex cannot split (an unclosed quote) is a UsageError too."""
     try:
-        return parse_argstring(magic, line)
+        args = parse_argstring(magic, line)
     except ValueError as exc:  # argparse's own errors are UsageErrors already; this is shlex's
         raise UsageError(f"cannot read the magic line ({exc}): close the quote or escape it") from None
+    # IPython splits the line keeping quotes (arg_split, posix=False): --plot "my run.png" is a path
+    # without them. Lists (%freeall's names) keep theirs: a variable's name decides there.
+    for name, value in vars(args).items():
+        if type(value) is str and len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            setattr(args, name, value[1:-1])
+    return args
 
 
 class GuardedCellSyntax:

@@ -94,9 +94,14 @@ def test_autograd_graph_memory_shows_as_untracked(gpu_ip, cuda, checks):
     graph = torch.cuda.memory_allocated(0) - allocated_before - 512  # y itself: one 512-byte block
     second = gpu_ip.run_line_magic("gpumem", "-o --device cuda:0")
     checks.equal("ground truth: the graph holds the saved activation", 4096 * 4096 * 4, graph, tol=64 * 1024)
-    checks.equal("untracked grew by what only the graph holds", graph,
-                 (second.untracked_bytes or 0) - (first.untracked_bytes or 0), tol=64 * 1024,
-                 note="tolerance: allocator rounding of the small outputs")
+    # PyTorch keeps a saved tensor's Python object alive with it (PyObject preservation: seen on torch
+    # 2.11 CUDA and 2.13 cpu), so the heap scan finds it, held outside Python ("other"); a build that
+    # drops the object leaves the bytes untracked. Either way the graph's bytes are shown, not lost.
+    grown_other = second.kind_bytes("other") - first.kind_bytes("other")
+    grown_untracked = (second.untracked_bytes or 0) - (first.untracked_bytes or 0)
+    checks.equal("other tensors + untracked grew by what only the graph holds", graph, grown_other + grown_untracked,
+                 tol=64 * 1024, note=f"tolerance: allocator rounding of the small outputs; other +{grown_other} B, "
+                                     f"untracked +{grown_untracked} B")
     segment = next((s for s in memory_segments(second) if s.key == "untracked"), None)
     checks.equal("the bar's untracked segment == untracked_bytes", second.untracked_bytes,
                  segment.bytes if segment else None)

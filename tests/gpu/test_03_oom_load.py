@@ -105,6 +105,7 @@ def test_oom_while_loading_is_reported_given_back_and_retried(gpu_ip, cuda, oom_
     checks.true("the failed load left no `model` variable", "model" in gpu_ip.user_ns, expected=False)
 
     # 3. The smaller dtype, under --retry, fits: it loads and is measured.
+    mark_before = torch.cuda.max_memory_allocated(0)  # the failed loads' peak: the user's figure, never reset
     _, report, error = guard_cell(
         gpu_ip, "--device cuda:0 --retry 1",
         "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map='cuda:0')")
@@ -126,8 +127,13 @@ def test_oom_while_loading_is_reported_given_back_and_retried(gpu_ip, cuda, oom_
         if report is not None:
             checks.true("the report says ok", report.outcome, expected="ok")
             checks.equal("report delta == memory_allocated() change", allocated - baseline, report.delta, tol=MiB)
-            checks.equal("report peak == torch.cuda.max_memory_allocated()", torch.cuda.max_memory_allocated(0),
-                         report.peak.bytes)
+            mark_after = torch.cuda.max_memory_allocated(0)
+            if mark_after > mark_before:  # the cell set a new peak: the report's is that one
+                checks.equal("report peak == torch.cuda.max_memory_allocated()", mark_after, report.peak.bytes)
+            else:  # below the failed loads' peak: its own is unknowable without resetting the user's mark
+                checks.true("below an earlier peak, the report's peak is unknown and says why",
+                            (report.peak.bytes, "stayed below an earlier allocator peak" in report.peak.note),
+                            expected=(None, True), note=f"max_memory_allocated() stayed at {mark_after}")
             use = report.variable("model")
             checks.equal("report: bytes of `model`", weights, use.bytes if use else None, tol=4096,
                          note="tolerance: small buffers a module may keep outside its parameters() and buffers()")

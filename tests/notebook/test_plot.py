@@ -134,6 +134,16 @@ def test_gpumem_plot_errors_are_one_line_usage_errors(ip, tmp_path) -> None:
         ip.run_line_magic("gpumem", "-o --plot --device cuda:7")
 
 
+def test_a_quoted_plot_path_is_the_path_without_its_quotes(ip, tmp_path) -> None:
+    """IPython passes a magic's quoted argument on with its quotes (arg_split, posix=False): the
+    timeline goes to the file named inside them, also with a space in the name (found on a real GPU)."""
+    ip.run_cell("import torch\nx = torch.ones(1 << 20)", store_history=True)
+    for quote, name in (('"', "run one.png"), ("'", "run two.png")):
+        target = tmp_path / name
+        timeline = ip.run_line_magic("gpumem", f"-o --plot {quote}{target}{quote}")
+        assert timeline.path == str(target) and target.read_bytes().startswith(PNG_MAGIC)
+
+
 def test_a_guardload_label_never_overlaps_the_oom_mark() -> None:
     """issue 25: a %%guardload cell that ran out of memory: its label and "OOM" are drawn apart (FAKE records)."""
     records = [CellRecord(1, "cuda:0", 0, 0, None, None, None, False, None, False),
