@@ -169,14 +169,17 @@ def _until_stale_gone(torch: Any, types: frozenset[type], where: str, shell: Any
 
     A stale tensor is named by one holder, the first found: one an exception in the output cache
     also reaches through the stored traceback is still held once the output cache lets go. Each
-    further round (only then) attributes again; ``kinds`` is updated to what held a storage last.
+    further round (only then, and only while the last one freed some) attributes again; ``kinds``
+    is updated to what held a storage last.
     """
     gc.collect()
     live = find_tensors(torch, where)
+    before: list[int] | None = None
     for _ in range(rounds - 1):
         left = [k for k, kind in kinds.items() if kind in STALE_KINDS and k in live.storages]
-        if not left:
+        if not left or (before is not None and len(left) >= len(before)):  # the last round freed none of them
             break
+        before = left
         live.release()
         _, again, _, _ = _act(torch, types, where, shell, namespace, (), False)
         kinds.update((k, again[k]) for k in left if k in again)
