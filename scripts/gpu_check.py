@@ -43,6 +43,8 @@ CHECKS = {
     6: "stale-memory traps on CUDA: %freeall restores the baseline, user memory stays",
     7: "the widget's figures equal the allocator's and NVML's",
     8: "--snapshot writes a snapshot PyTorch's tooling loads; largest free block agrees",
+    9: "--target caps a real load at the deployment GPU's usable memory, and the user's fraction comes back",
+    11: "a steady %gpumem with unmoved allocator counts makes no heap pass, names unchanged",
 }
 
 # Module -> pip name; the suite needs these (what the GPU machine brings, plus oom-magic's own).
