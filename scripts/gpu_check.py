@@ -43,6 +43,7 @@ CHECKS = {
     6: "stale-memory traps on CUDA: %freeall restores the baseline, user memory stays",
     7: "the widget's figures equal the allocator's and NVML's",
     8: "--snapshot writes a snapshot PyTorch's tooling loads; largest free block agrees",
+    10: "fit_check's job sizing against a real generate (weights, KV cache, peak) and a real AdamW step",
 }
 
 # Module -> pip name; the suite needs these (what the GPU machine brings, plus oom-magic's own).
