@@ -44,6 +44,7 @@ CHECKS = {
     7: "the widget's figures equal the allocator's and NVML's",
     8: "--snapshot writes a snapshot PyTorch's tooling loads; largest free block agrees",
     9: "--target caps a real load at the deployment GPU's usable memory, and the user's fraction comes back",
+    10: "fit_check's job sizing against a real generate (weights, KV cache, peak) and a real AdamW step",
     11: "a steady %gpumem with unmoved allocator counts makes no heap pass, names unchanged",
 }
 

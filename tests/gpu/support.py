@@ -225,6 +225,20 @@ def allocator_facts(segments: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def block_sizes(segments: list[dict[str, Any]]) -> dict[int, int]:
+    """Each allocated block's address and size (what ``memory_allocated`` counts for it), from the
+    allocator's own snapshot segments (``torch.cuda.memory_snapshot()``)."""
+    blocks: dict[int, int] = {}
+    for segment in segments:
+        address = int(segment["address"])
+        for block in segment.get("blocks", ()):
+            start = int(block.get("address", address))  # older snapshots: blocks lie end to end
+            if block.get("state") == "active_allocated":
+                blocks[start] = int(block["size"])
+            address = start + int(block["size"])
+    return blocks
+
+
 def print_tolerance(value: int) -> int:
     """Half the last printed digit of PyTorch's ``format_size`` for ``value`` ("1.23 GiB" → 0.005 GiB)."""
     for unit in (GiB, MiB, KiB):
@@ -237,18 +251,20 @@ def print_tolerance(value: int) -> int:
 
 
 def build_causal_lm(path: Path, *, hidden: int, intermediate: int, layers: int, heads: int,
-                    vocab: int = 32000, dtype: str = "bfloat16") -> dict[str, int]:
+                    vocab: int = 32000, dtype: str = "bfloat16", kv_heads: int | None = None,
+                    max_positions: int = 512) -> dict[str, int]:
     """Save a Llama-shaped causal LM built from a config (zero weights, no hub) as safetensors.
 
     Built on the meta device and materialised with zeros, so a model of a billion parameters
-    takes seconds, not minutes of random initialisation. Returns its parameter count and bytes.
+    takes seconds, not minutes of random initialisation. ``kv_heads`` below ``heads`` is GQA
+    (default: as many as ``heads``). Returns its parameter count and bytes.
     """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab,
-                         max_position_embeddings=512, tie_word_embeddings=False)
+                         num_attention_heads=heads, num_key_value_heads=kv_heads or heads, vocab_size=vocab,
+                         max_position_embeddings=max_positions, tie_word_embeddings=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model = model.to_empty(device="cpu")
