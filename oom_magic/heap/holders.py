@@ -107,9 +107,10 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if find_garbage:  # garbage is unreachable from every root: no walk needs to look for it
         for key in still_garbage(live, holders):
             holders[key] = Holder(GARBAGE, "unreachable reference cycle", "gc")
-    if trace_other:  # held alone by a library's module or class, as last time: no walk reaches it
-        for key, text in still_library_held(live, holders).items():
-            holders[key] = Holder(OTHER, text, "referrers")
+    # Held alone by a library's module or class, as last time: no walk reaches it, and it is no
+    # garbage. Asked also without trace_other: the cleanup's garbage search would climb to it again.
+    for key, text in still_library_held(live, holders).items():
+        holders[key] = Holder(OTHER, text, "referrers")
     wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
     skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
@@ -147,8 +148,15 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if unclaimed and trace_other:
         for key, path in _referrer_chains(live, unclaimed).items():
             holders.setdefault(key, Holder(OTHER, path, "referrers"))
+    elif unclaimed and find_garbage and len({live.storage_of[id(t)] for t in unclaimed}) <= _CHAINS_REMEMBERED:
+        # A few library-held storages (a Function's default argument): their chains, climbed once
+        # and remembered, spare every later cleanup the garbage search's climb (still_library_held).
+        _referrer_chains(live, unclaimed)
     del unclaimed
     return Attribution(holders, complete, nodes, frozenset(user_reached))
+
+
+_CHAINS_REMEMBERED = 16  # storages a cleanup climbs to once, to skip their garbage search after
 
 
 _TB_OF = BaseException.__dict__["__traceback__"].__get__  # C-level reads: no user property runs
