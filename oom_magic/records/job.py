@@ -39,7 +39,7 @@ class GpuShare:
 
     weights: int               # the parameters and buffers the map puts on it
     kv_cache: int              # the cache of the decoder layers it holds, at its peak
-    activations: int | None    # the prompt's forward passing through its layers (0 on a GPU without layers)
+    activations: int | None    # the prompt's forward passing through its modules (0 on a GPU the map leaves empty)
     layers: tuple[int, ...]    # the decoder layers it holds (cache layer i lives with decoder layer i)
 
     @property

@@ -80,7 +80,7 @@ def _layers(layers: tuple[int, ...]) -> str:
 def _split_lines(split: DeviceSplit) -> list[str]:
     """What device_map="auto" puts on each GPU: its layers, weights, their cache, the prompt's forward."""
     lines = ['  per GPU (device_map="auto": the modules it places there, the KV cache of its decoder layers, '
-             "the prompt's forward where it has layers):"]
+             "the prompt's forward through them):"]
     for index, share in enumerate(split.shares):
         forward = "not sized" if share.activations is None else format_bytes(share.activations)
         lines.append(f"    GPU {index}: {_layers(share.layers)}: weights {format_bytes(share.weights)}, "

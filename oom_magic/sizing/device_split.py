@@ -5,8 +5,9 @@ The probe's child (``sizing.probe``, its device_split section) asks transformers
 turns those figures into what each GPU holds (``records.job.DeviceSplit``) and judges them per GPU:
 a split fits when nothing spills to the cpu or disk and the busiest GPU holds its weights, the cache
 of its layers and the prompt's forward. The forward runs through the GPUs in turn and peaks inside a
-layer, so every GPU holding decoder layers is counted with the whole transient (an upper bound
-where its layers are fewer than the others'). The cache grows on each GPU in proportion to the
+layer, where the hidden states it carries are on that GPU too, so every GPU the map puts modules on
+is counted with the whole transient (an upper bound on a GPU that holds only the embeddings or the
+head, so that a job that would not fit does not pass). The cache grows on each GPU in proportion to the
 cache layers it holds, so the largest context and batch are the smallest over the GPUs.
 """
 from __future__ import annotations
@@ -22,8 +23,8 @@ __all__ = ["MOST_GPUS", "device_split", "split_fits", "split_gpus_needed", "spli
 
 
 def device_split(figures: SplitFigures, activations: int | None) -> DeviceSplit:
-    """What each GPU holds under ``figures``' map: weights, its layers' cache, the prompt's forward where it has layers."""
-    shares = tuple(GpuShare(weights, kv, None if activations is None else activations if layers else 0, layers)
+    """What each GPU holds under ``figures``' map: weights, its layers' cache, the prompt's forward where it has modules."""
+    shares = tuple(GpuShare(weights, kv, None if activations is None else activations if weights else 0, layers)
                    for weights, kv, layers in zip(figures.weights, figures.kv_cache, figures.layers, strict=True))
     return DeviceSplit(shares, figures.spilled, figures.spilled_modules)
 

@@ -98,9 +98,8 @@ if split_usable and not lora_r:
                 "spilled_modules": [f"{k or '(all)'} -> {v}" for k, v in device_map.items() if not isinstance(v, int)]}
 
     def fits(figures):
-        return not figures["spilled"] and all(
-            w + k + (transient if layers else 0) <= split_usable
-            for w, k, layers in zip(figures["weights"], figures["kv_cache"], figures["layers"]))
+        return not figures["spilled"] and all(w + k + (transient if w else 0) <= split_usable
+                                              for w, k in zip(figures["weights"], figures["kv_cache"]))
 
     try:
         import accelerate  # noqa: F401  transformers splits a model only with accelerate installed

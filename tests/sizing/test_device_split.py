@@ -7,7 +7,7 @@ which must also equal transformers' own map; the real tensors' bytes summed per 
 map; and a real cpu forward and generate, whose cache layers are summed per device (cache layer i
 lives with decoder layer i). oom-magic's share of each GPU must equal weights + cache to the byte;
 the prompt's transient (held to the profiler in test_activations.py) is added whole to each GPU
-that holds decoder layers, since the forward peaks inside a layer on each GPU in turn.
+the map puts modules on, since the forward peaks inside a layer on each GPU in turn.
 """
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ CONTEXT = PROMPT + NEW - 1  # the last token generated is never fed back
 # deeper than families.py's, so that a split has layers on both GPUs; (family, overrides, decoder layers)
 DEEP = {"llama-gqa": ({"num_hidden_layers": 8}, "model.layers"),
         "gpt2": ({"n_layer": 6}, "transformer.h"),  # lm_head tied to the embeddings
-        "gemma2-alternating": ({"num_hidden_layers": 6}, "model.layers")}  # sliding and full layers
+        "gemma2-alternating": ({"num_hidden_layers": 6}, "model.layers"),  # sliding and full layers
+        "jamba-hybrid": ({}, "model.layers"),  # attention layers' cache and mamba layers' fixed state
+        "t5-encoder-decoder": ({"num_layers": 4}, "decoder.block")}  # self- and cross-attention per decoder layer
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,9 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, An
     for family, (overrides, _) in DEEP.items():
         name, kwargs = FAMILIES[family]
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**{**kwargs, **overrides}),
-                                                              dtype=torch.float32).eval()
+        config = getattr(transformers, name)(**{**kwargs, **overrides})
+        auto = transformers.AutoModelForSeq2SeqLM if config.is_encoder_decoder else transformers.AutoModelForCausalLM
+        model = auto.from_config(config, dtype=torch.float32).eval()
         model.save_pretrained(root / family)
         built[family] = (root / family, model)
     return built
@@ -95,16 +98,28 @@ def _truth(model: Any, gpus: int, usable: int) -> dict[str, Any]:
     return {"map": device_map, "weights": weights, "spilled": spilled}
 
 
+def _context(model: Any) -> int:
+    # encoder-decoder: the encoder's PROMPT tokens + the decoder's NEW held tokens (as in test_kv_cache.py)
+    return PROMPT + NEW if model.config.is_encoder_decoder else CONTEXT
+
+
+def _by_layer(cache: Any) -> list[int]:
+    if hasattr(cache, "cross_attention_cache"):  # a decoder layer holds its self- and cross-attention caches
+        return [cache_storage_bytes([own, cross]) for own, cross in
+                zip(cache.self_attention_cache.layers, cache.cross_attention_cache.layers, strict=True)]
+    return [cache_storage_bytes(layer) for layer in cache.layers]
+
+
 def _real_cache_by_layer(model: Any) -> tuple[list[int], list[int]]:
-    """Each cache layer's bytes after a real prompt's forward and after a real generate to CONTEXT tokens."""
+    """Each cache layer's bytes after a real prompt's forward and after a real generate to the context."""
     torch.manual_seed(1)
     ids = torch.randint(3, 256, (BATCH, PROMPT))
+    start = {"decoder_input_ids": torch.zeros(BATCH, 1, dtype=torch.long)} if model.config.is_encoder_decoder else {}
     with torch.no_grad():
-        after_prompt = model(input_ids=ids, use_cache=True).past_key_values
+        after_prompt = model(input_ids=ids, use_cache=True, **start).past_key_values
         at_context = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
                                     return_dict_in_generate=True).past_key_values
-    return ([cache_storage_bytes(layer) for layer in after_prompt.layers],
-            [cache_storage_bytes(layer) for layer in at_context.layers])
+    return _by_layer(after_prompt), _by_layer(at_context)
 
 
 def _real_kv_per_gpu(model: Any, family: str, device_map: dict[str, Any], gpus: int) -> list[int]:
@@ -121,17 +136,20 @@ def test_each_gpus_weights_and_cache_equal_accelerates_map_and_a_real_generate_t
     truth = _truth(model, 2, usable)
     kv = _real_kv_per_gpu(model, family, truth["map"], 2)
 
-    fit = job_fit(folder, Job(context=CONTEXT, batch=BATCH, prompt=PROMPT), _target(2, usable))
+    fit = job_fit(folder, Job(context=_context(model), batch=BATCH, prompt=PROMPT), _target(2, usable))
 
     split = fit.parts.split
     assert split is not None and fit.fits and fit.job.gpus == 2
     assert [share.weights for share in split.shares] == truth["weights"]
     assert [share.kv_cache for share in split.shares] == kv
-    assert all(share.layers for share in split.shares)  # both GPUs hold decoder layers
+    assert all(truth["weights"]) and split.spilled == 0 and truth["spilled"] == 0  # modules on both GPUs
     assert sum(len(share.layers) for share in split.shares) == len(_real_cache_by_layer(model)[0])
-    assert split.spilled == 0 and truth["spilled"] == 0
-    assert fit.parts.activations and all(share.activations == fit.parts.activations for share in split.shares)
-    assert fit.parts.per_device == tuple(w + k + fit.parts.activations for w, k in zip(truth["weights"], kv))
+    forward = fit.parts.activations
+    if model.config.is_encoder_decoder:  # the encoder on GPU 0, the decoder's layers (and cache) on GPU 1 here
+        assert forward is None and [bool(share.layers) for share in split.shares] == [False, True]
+    else:  # both GPUs hold decoder layers, and the prompt's forward passes through each
+        assert forward and all(share.layers and share.activations == forward for share in split.shares)
+    assert fit.parts.per_device == tuple(w + k + (forward or 0) for w, k in zip(truth["weights"], kv))
     assert fit.needed == max(fit.parts.per_device) < fit.parts.total  # no GPU holds the whole job
     assert "FSDP" not in str(fit) and 'device_map="auto"' in str(fit)
 
