@@ -101,29 +101,31 @@ if split_usable and not lora_r:
         return not figures["spilled"] and all(w + k + (transient if w else 0) <= split_usable
                                               for w, k in zip(figures["weights"], figures["kv_cache"]))
 
-    try:
-        import accelerate  # noqa: F401  transformers splits a model only with accelerate installed
-    except ImportError:
-        print(json.dumps({"unsplittable": "accelerate is not installed: pip install accelerate"})); sys.exit(0)
-    try:
-        transient = answer["activations"] or 0
-        layer_prompt, layer_context = held(prompt, context, layer_bytes)
-        longer_prompt, longer_context = held(prompt if prompt < context else context + STEP, context + STEP,
-                                             layer_bytes)
-        names = decoder_layer_names(len(layer_prompt))
-        # parameters and buffers (non-persistent ones too): dispatch puts both on the module's device
-        tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
-        splits = [split(split_gpus)] if split_gpus > 1 else []
-        one_fits = split_gpus == 1 and split_weights + max(after_prompt, at_context) + transient <= split_usable
-        if not one_fits and not (splits and fits(splits[0])):
-            # no split fits on fewer GPUs than the weights and the cache need added up
-            start = max(split_gpus + 1, 2, -(-(split_weights + max(after_prompt, at_context)) // split_usable))
-            for count in range(start, MOST_GPUS + 1):
-                splits.append(split(count))
-                if fits(splits[-1]):
-                    break
-    except Exception as exc:
-        print(json.dumps({"unsplittable": first(exc)})); sys.exit(0)
+    transient, peak = answer["activations"] or 0, max(after_prompt, at_context)
+    splits = []
+    # on one GPU the splits only say how many it would take; a model transformers cannot split leaves that unsaid
+    if split_gpus > 1 or split_weights + peak + transient > split_usable:
+        try:
+            import accelerate  # noqa: F401  transformers splits a model only with accelerate installed
+            layer_prompt, layer_context = held(prompt, context, layer_bytes)
+            longer_prompt, longer_context = held(prompt if prompt < context else context + STEP, context + STEP,
+                                                 layer_bytes)
+            names = decoder_layer_names(len(layer_prompt))
+            # parameters and buffers (non-persistent ones too): dispatch puts both on the module's device
+            tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+            splits = [split(split_gpus)] if split_gpus > 1 else []
+            if not (splits and fits(splits[0])):
+                # no split fits on fewer GPUs than the weights and the cache need added up
+                for count in range(max(split_gpus + 1, 2, -(-(split_weights + peak) // split_usable)), MOST_GPUS + 1):
+                    splits.append(split(count))
+                    if fits(splits[-1]):
+                        break
+        except Exception as exc:
+            if split_gpus > 1:
+                missing = isinstance(exc, ImportError) and "accelerate" in str(exc)
+                print(json.dumps({"unsplittable": "accelerate is not installed: pip install accelerate" if missing
+                                  else first(exc)})); sys.exit(0)
+            splits = []
     answer["splits"] = splits
 """
 
