@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+import oom_magic
 from oom_magic.common.errors import OomMagicError
 from oom_magic.fit.job_fit import job_fit
 from oom_magic.fit.targets import parse_target
@@ -184,7 +185,7 @@ def test_a_job_that_fits_two_gpus_but_not_one_needs_two(models):
     assert truth["spilled"] == 0 and max(w + k + activations for w, k in zip(truth["weights"], kv)) <= usable
 
     single = job_fit(folder, job, _target(1, usable))
-    double = job_fit(folder, job, _target(2, usable))
+    double = oom_magic.fit_check(folder, target=_target(2, usable), context=CONTEXT, prompt=PROMPT, batch=BATCH)
 
     assert not single.fits and single.gpus_needed == 2 and "needs 2x" in str(single)
     assert double.fits and double.parts.per_device == tuple(w + k + activations for w, k in zip(truth["weights"], kv))
