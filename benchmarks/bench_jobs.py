@@ -94,6 +94,51 @@ def _training(family: str, kind: str, root: Path) -> dict[str, Any]:
             "accelerate_4x": 4 * weights}
 
 
+def _split(root: Path, gpus: int = 2) -> dict[str, Any]:
+    """llama-gqa, 8 layers, over 2 GPUs: each GPU's weights + cache, oom-magic vs accelerate's map and a real
+    generate's cache (layer i with decoder layer i), beside the even share the sum of the GPUs implies."""
+    import torch
+    import transformers
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    from oom_magic.fit.job_fit import job_fit
+    from oom_magic.fit.targets import parse_target
+    from oom_magic.records.job import Job
+    from tests.sizing.families import FAMILIES, cache_storage_bytes
+
+    name, kwargs = FAMILIES["llama-gqa"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(getattr(transformers, name)(**{**kwargs, "num_hidden_layers": 8})).eval()
+    model.save_pretrained(root / "split")
+    usable = 50 << 20
+    memory = {i: usable for i in range(gpus)}
+    balanced = get_balanced_memory(model, max_memory=memory, no_split_module_classes=sorted(model._no_split_modules))
+    device_map = infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=sorted(model._no_split_modules))
+
+    def placed(key: str) -> Any:
+        while key not in device_map:
+            key = key.rpartition(".")[0]
+        return device_map[key]
+
+    measured = [0] * gpus
+    for key, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        measured[placed(key)] += tensor.numel() * tensor.element_size()
+    ids = torch.randint(3, 256, (BATCH, PROMPT))
+    with torch.no_grad():
+        cache = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                               return_dict_in_generate=True).past_key_values
+    for index, layer in enumerate(cache.layers):
+        measured[placed(f"model.layers.{index}")] += cache_storage_bytes(layer)
+    reserve = (1 << 40) - parse_target(f"{1 << 40}B").usable
+    fit = job_fit(root / "split", Job(context=PROMPT + NEW - 1, batch=BATCH, prompt=PROMPT),
+                  f"{gpus}x{usable + reserve}B")
+    assert fit.parts.split is not None
+    return {"job": f"llama-gqa 8 layers, generate {PROMPT}+{NEW}, batch {BATCH}, {gpus} GPUs",
+            "measured": measured, "predicted": [s.weights + s.kv_cache for s in fit.parts.split.shares],
+            "with_forward": list(fit.parts.per_device), "even_share": -(-fit.parts.total // gpus)}
+
+
 def run() -> dict[str, Any]:
     from tests.sizing.families import FAMILIES
 
@@ -103,7 +148,8 @@ def run() -> dict[str, Any]:
         # peft has no default LoRA targets for Mixtral: it is fine-tuned in full only
         training = [_training(family, kind, root) for family, kind in (
             ("llama-gqa", "full"), ("llama-gqa", "lora"), ("gpt2", "full"), ("gpt2", "lora"), ("mixtral-moe", "full"))]
-    return {"inference": inference, "training": training}
+        split = [_split(root)]
+    return {"inference": inference, "training": training, "split": split}
 
 
 def _cell(value: int | None, truth: int) -> str:
@@ -131,7 +177,23 @@ def markdown(result: dict[str, Any]) -> str:
         m = row["measured"]
         lines.append(f"| {row['family']} | {row['job']} | {m:,} | {_cell(row['predicted'], m)} | "
                      f"{_cell(row['accelerate_4x'], m)} |")
+    lines += _split_markdown(result.get("split", []))
     return "\n".join(lines) + "\n"
+
+
+def _split_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Inference over several GPUs: each GPU's weights + KV cache under device_map=\"auto\"", "",
+             "Measured: accelerate's map (balanced max_memory) of the real model, its tensors and a real generate's "
+             "cache summed per GPU. With the prompt's forward: what the verdict checks on each GPU. The even share is "
+             "the whole job over the GPUs, as judging against the sum of their memory did; in brackets its error "
+             "against the figure with the forward.", "",
+             "| job | GPU | measured | oom-magic | with the prompt's forward | even share |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        for gpu, (m, p, f) in enumerate(zip(row["measured"], row["predicted"], row["with_forward"], strict=True)):
+            lines.append(f"| {row['job']} | {gpu} | {m:,} | {_cell(p, m)} | {f:,} | {_cell(row['even_share'], f)} |")
+    return lines
 
 
 if __name__ == "__main__":

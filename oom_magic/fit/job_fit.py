@@ -2,7 +2,9 @@
 
 ``job_fit("path", Job(context=8192, batch=4), "2xA10G")`` sizes the job (``sizing.parts``) and
 answers: does the busiest device fit, the largest context at this batch and the largest batch at
-this context that would, and how many of that GPU the job needs when it does not.
+this context that would, and how many of that GPU the job needs when it does not. Inference over
+several GPUs is judged per GPU on ``device_map="auto"``'s split (``sizing.device_split``), and the
+GPUs it needs are the fewest whose split fits.
 """
 from __future__ import annotations
 
@@ -11,14 +13,16 @@ import os
 import re
 
 from ..common.errors import OomMagicError
-from ..records.job import Job, JobFit
+from ..records.job import DeviceSplit, Job, JobFit
+from ..sizing.device_split import (MOST_GPUS, split_fits, split_gpus_needed, split_largest_batch,
+                                   split_largest_context)
 from ..sizing.parts import JobSizing, check_job, size_job
 from .targets import parse_target
 
 __all__ = ["job_fit", "split_target"]
 
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×]\s*(\S.*)$", re.IGNORECASE)
-_MOST_GPUS = 64
+_MOST_GPUS = MOST_GPUS
 
 
 def split_target(text: str) -> tuple[int, str]:
@@ -41,15 +45,17 @@ def job_fit(path_or_id: str | os.PathLike[str], job: Job, target: str, *, dtype:
         job = Job(**{**job.__dict__, "gpus": count})
     check_job(job)
     usable = parse_target(name).usable
-    sizing = size_job(path_or_id, job, dtype=dtype, quantization=quantization)
+    sizing = size_job(path_or_id, job, dtype=dtype, quantization=quantization, usable=usable)
     return _verdict(str(path_or_id), job, sizing, name, usable)
 
 
 def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: int) -> JobFit:
     parts = sizing.parts
-    budget = usable * job.gpus  # inference over several GPUs: the sum (the per-layer split is not checked)
+    if parts.split is not None:
+        return _split_verdict(checkpoint, job, sizing, parts.split, name, usable)
+    budget = usable  # one GPU (several: the fine-tune's per-device shares, inference's split above)
     needed = max(parts.per_device) if parts.per_device else parts.total
-    fits = needed <= (usable if parts.per_device else budget)
+    fits = needed <= budget
     largest_context = largest_batch = None
     if not job.train:
         # what the cache may take; a prompt that is the whole context shrinks with it, so its
@@ -60,14 +66,28 @@ def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: in
             largest_context = max(job.context + math.floor((room - parts.kv_cache) / sizing.kv_growth_per_token), 0)
         largest_batch = max(room // sizing.kv_per_sequence, 0) if sizing.kv_per_sequence else None
     return JobFit(checkpoint, job, parts, name, usable, fits, largest_context, largest_batch,
-                  None if fits else _gpus_needed(job, sizing, usable))
+                  None if fits else _gpus_needed(job, sizing, usable), _gpus_tried(sizing))
+
+
+def _split_verdict(checkpoint: str, job: Job, sizing: JobSizing, split: DeviceSplit, name: str,
+                   usable: int) -> JobFit:
+    """Inference over several GPUs: device_map="auto"'s split judged per GPU."""
+    parts = sizing.parts
+    figures = next(f for f in sizing.splits if f.gpus == job.gpus)
+    fits = split_fits(split, usable)
+    return JobFit(checkpoint, job, parts, name, usable, fits, split_largest_context(split, figures, job, usable),
+                  split_largest_batch(split, job, usable), None if fits else _gpus_needed(job, sizing, usable),
+                  _gpus_tried(sizing))
+
+
+def _gpus_tried(sizing: JobSizing) -> int:
+    return max((figures.gpus for figures in sizing.splits), default=0)
 
 
 def _gpus_needed(job: Job, sizing: JobSizing, usable: int) -> int | None:
     parts = sizing.parts
-    if not job.train:
-        count = math.ceil(parts.total / usable)
-        return count if count <= _MOST_GPUS else None
+    if not job.train:  # the fewest GPUs whose device_map="auto" split fits
+        return split_gpus_needed(sizing.splits, parts.activations, job, usable)
     gathered = sizing.largest_layer
     for count in range(job.gpus + 1, _MOST_GPUS + 1):
         if math.ceil(parts.total / count) + gathered <= usable:

@@ -9,7 +9,7 @@ from typing import Literal
 
 from .shown import Shown
 
-__all__ = ["TRAIN_KINDS", "Job", "JobFit", "JobParts", "TrainKind"]
+__all__ = ["TRAIN_KINDS", "DeviceSplit", "GpuShare", "Job", "JobFit", "JobParts", "TrainKind"]
 
 TrainKind = Literal["adamw", "sgd", "adamw8bit", "lora", "qlora"]
 TRAIN_KINDS: tuple[TrainKind, ...] = ("adamw", "sgd", "adamw8bit", "lora", "qlora")
@@ -34,6 +34,30 @@ class Job:
 
 
 @dataclass(frozen=True)
+class GpuShare:
+    """What one GPU holds of an inference job when ``device_map="auto"`` splits the model over several."""
+
+    weights: int               # the parameters and buffers the map puts on it
+    kv_cache: int              # the cache of the decoder layers it holds, at its peak
+    activations: int | None    # the prompt's forward passing through its modules (0 on a GPU the map leaves empty)
+    layers: tuple[int, ...]    # the decoder layers it holds (cache layer i lives with decoder layer i)
+
+    @property
+    def total(self) -> int:
+        """What this GPU needs (activations counted as 0 where unknown)."""
+        return self.weights + self.kv_cache + (self.activations or 0)
+
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    """An inference job over several GPUs, split as ``from_pretrained(device_map="auto")`` splits it."""
+
+    shares: tuple[GpuShare, ...]       # GPU 0, 1, ...
+    spilled: int = 0                   # bytes of weights the map puts on the cpu or disk (the job does not fit)
+    spilled_modules: tuple[str, ...] = ()  # "module -> cpu|disk", in the map's order
+
+
+@dataclass(frozen=True)
 class JobParts(Shown):
     """The bytes a job holds on its devices, by part (0 where the part is not in the job)."""
 
@@ -44,6 +68,7 @@ class JobParts(Shown):
     optimizer: int     # optimizer state on the device (AdamW's step counters live on the host)
     adapters: int      # LoRA parameters
     per_device: tuple[int, ...] = ()  # each device's share when split over several (empty: one device)
+    split: DeviceSplit | None = None  # inference over several GPUs: what device_map="auto" puts on each
 
     @property
     def total(self) -> int:
@@ -65,6 +90,7 @@ class JobFit(Shown):
     largest_context: int | None  # at job.batch; None: not bounded by the cache (a fixed state) or training
     largest_batch: int | None    # at job.context; None where not sized (training: activations unknown)
     gpus_needed: int | None      # of the target GPU, when more than job.gpus; None when it fits or > 64
+    gpus_tried: int = 0          # inference: the most GPUs a device_map="auto" split was tried over (0: none)
 
     @property
     def needed(self) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..records.job import JobFit, JobParts
+from ..records.job import DeviceSplit, JobFit, JobParts
 from ..records.shown import renders
 from .units import format_bytes
 
@@ -32,15 +32,21 @@ def _job_line(fit: JobFit) -> str:
 
 def job_fit_text(fit: JobFit) -> str:
     """The verdict, the parts table, the largest context and batch, and what only a GPU adds."""
-    spare = fit.usable * (1 if fit.parts.per_device else fit.job.gpus) - fit.needed
+    spare = fit.usable - fit.needed  # on the busiest GPU
     verdict = f"fits, {format_bytes(spare)} to spare" if fit.fits else f"will not fit: {format_bytes(-spare)} short"
+    split = fit.parts.split
+    if split is not None and split.spilled:
+        verdict = (f"will not fit: device_map=\"auto\" puts {format_bytes(split.spilled)} of weights off the GPUs "
+                   f"({', '.join(split.spilled_modules)})")
     lines = [f"{fit.checkpoint}: {_job_line(fit)}", f"  {verdict}"]
     for name in PART_NAMES:
         value = getattr(fit.parts, name)
         shown = "not sized" if value is None else format_bytes(value)
         lines.append(f"    {_LABELS[name]:<12}{shown:>12}")
     lines.append(f"    {'total':<12}{format_bytes(fit.parts.total):>12}")
-    if fit.parts.per_device:
+    if split is not None:
+        lines += _split_lines(split)
+    elif fit.parts.per_device:
         each = ", ".join(format_bytes(b) for b in fit.parts.per_device)
         lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of everything plus the largest layer gathered): {each}")
     if fit.largest_context is not None:
@@ -51,6 +57,9 @@ def job_fit_text(fit: JobFit) -> str:
         lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}")
     if fit.gpus_needed is not None:
         lines.append(f"  needs {fit.gpus_needed}x{fit.target}")
+    elif not fit.fits and fit.gpus_tried > fit.job.gpus:
+        lines.append(f"  no device_map=\"auto\" split over up to {fit.gpus_tried}x{fit.target} fits (each GPU holds "
+                     "whole decoder layers, their cache and the prompt's forward through them)")
     if fit.parts.activations is None:
         lines.append("  activations (the transient peak of a forward/backward) are not sized for this job")
     else:
@@ -60,6 +69,33 @@ def job_fit_text(fit: JobFit) -> str:
     return "\n".join(lines)
 
 
+def _layers(layers: tuple[int, ...]) -> str:
+    if not layers:
+        return "no layers"
+    if list(layers) == list(range(layers[0], layers[-1] + 1)):
+        return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"
+    return "layers " + ",".join(str(i) for i in layers)
+
+
+def _split_lines(split: DeviceSplit) -> list[str]:
+    """What device_map="auto" puts on each GPU: its layers, weights, their cache, the prompt's forward."""
+    lines = ['  per GPU (device_map="auto": the modules it places there, the KV cache of its decoder layers, '
+             "the prompt's forward through them):"]
+    for index, share in enumerate(split.shares):
+        forward = "not sized" if share.activations is None else format_bytes(share.activations)
+        lines.append(f"    GPU {index}: {_layers(share.layers)}: weights {format_bytes(share.weights)}, "
+                     f"KV cache {format_bytes(share.kv_cache)}, prompt's forward {forward} = {format_bytes(share.total)}")
+    return lines
+
+
+def _split_dict(split: DeviceSplit | None) -> dict[str, Any] | None:
+    if split is None:
+        return None
+    return {"shares": [{"weights": s.weights, "kv_cache": s.kv_cache, "activations": s.activations,
+                        "layers": list(s.layers), "total": s.total} for s in split.shares],
+            "spilled": split.spilled, "spilled_modules": list(split.spilled_modules)}
+
+
 def job_fit_dict(fit: JobFit) -> dict[str, Any]:
     """Every figure of a job's fit check, int bytes, for ``--json``."""
     job = fit.job
@@ -67,7 +103,7 @@ def job_fit_dict(fit: JobFit) -> dict[str, Any]:
         "target": fit.target, "gpus": job.gpus, "usable": fit.usable, "needed": fit.needed, "fits": fit.fits,
         "job": {"context": job.context, "prompt": job.prompt, "batch": job.batch, "train": job.train,
                 "lora_r": job.lora_r if job.train in ("lora", "qlora") else None},
-        "parts": parts_dict(fit.parts), "per_device": list(fit.parts.per_device),
+        "parts": parts_dict(fit.parts), "per_device": list(fit.parts.per_device), "split": _split_dict(fit.parts.split),
         "largest_context": fit.largest_context, "largest_batch": fit.largest_batch, "gpus_needed": fit.gpus_needed,
     }]}
 

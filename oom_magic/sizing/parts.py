@@ -4,8 +4,9 @@ The weights come from the checkpoint's headers (``checkpoints.estimate``: bitsan
 for QLoRA's base); everything else from the job's meta-device probe: the KV cache at its peak for
 inference; gradients and optimizer state as torch.optim creates them for a fine-tune, only for the
 adapters with LoRA. Over several GPUs a fine-tune is sharded as FSDP / ZeRO-3 does it: each device
-holds 1/N of the parameters, gradients and state, plus the largest layer gathered whole.
-(Inference over several GPUs, accelerate's ``device_map="auto"`` split, is not sized here yet.)
+holds 1/N of the parameters, gradients and state, plus the largest layer gathered whole. Inference
+over several GPUs is split as ``from_pretrained(device_map="auto")`` splits it (``sizing.device_split``):
+each GPU holds the modules the map puts there and the cache of its decoder layers.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from ..checkpoints.files import find_checkpoint_files, resolve_checkpoint, uncac
 from ..common.dtypes import QUANTIZED, canonical_dtype
 from ..common.errors import OomMagicError
 from ..records.job import TRAIN_KINDS, Job, JobParts
-from .probe import JobProbe, probe_job
+from .device_split import MOST_GPUS, device_split
+from .probe import JobProbe, SplitFigures, probe_job
 from .training import gradient_bytes, optimizer_bytes
 
 __all__ = ["JobSizing", "check_job", "size_job"]
@@ -40,6 +42,7 @@ class JobSizing:
     kv_growth_per_token: float  # bytes the peak cache grows per token of context at this batch
     kv_per_sequence: int        # the peak cache divided by the batch (every cache tensor has a batch row)
     largest_layer: int          # bytes of the largest repeated block: what FSDP gathers whole on each device
+    splits: tuple[SplitFigures, ...] = ()  # inference sized with usable=: device_map="auto" over job.gpus, then more
 
 
 def check_job(job: Job) -> Job:
@@ -56,12 +59,16 @@ def check_job(job: Job) -> Job:
 
 
 def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None = None,
-             quantization: str | None = None) -> JobSizing:
+             quantization: str | None = None, usable: int | None = None) -> JobSizing:
     """The parts ``job`` holds when the checkpoint is loaded as ``dtype`` (default: its config's dtype).
 
     ``quantization`` ('int8', 'nf4', 'fp4': bitsandbytes, inference only) sizes the weights as
     transformers quantizes them; the weights it leaves alone and the KV cache are in the compute
     dtype: ``dtype``, else the config's, else bfloat16.
+
+    ``usable`` (bytes on one GPU) sizes inference over ``job.gpus`` GPUs as ``device_map="auto"``
+    splits it, and when that does not fit (on one GPU, too), the splits over more GPUs up to the
+    first that fits (``JobSizing.splits``).
 
     Needs the config.json beside the weights (the cache and the layers come from it). Raises
     OomMagicError with one line for a bad job, a checkpoint without a config, or a model that
@@ -88,8 +95,10 @@ def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None 
         if quantization is not None:  # the weights bitsandbytes leaves alone stay in the compute dtype
             estimate = replace(estimate, bytes=estimate.bytes_for(quantization, unquantized_dtype=compute))
         lora = job.train in ("lora", "qlora")
+        split = _split_request(job, quantization, usable, estimate.bytes)
         probe = probe_job(config, compute, batch=job.batch, prompt=job.prompt_tokens, context=job.context,
-                          lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else ())
+                          lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else (),
+                          split=split, most_gpus=MOST_GPUS)
     return _sizing(estimate.bytes, probe, job)
 
 
@@ -130,6 +139,24 @@ def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:
         sharded = weights + gradients + optimizer + adapters + kv
         per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer,) * job.gpus
     activations = None if job.train else probe.activations
+    split = None
+    if job.gpus > 1 and not job.train:  # device_map="auto"'s split, where the probe was asked for it
+        figures = next((f for f in probe.splits if f.gpus == job.gpus), None)
+        split = None if figures is None else device_split(figures, activations)
+        per_device = () if split is None else tuple(share.total for share in split.shares)
     parts = JobParts(weights=weights, kv_cache=kv, activations=activations, gradients=gradients, optimizer=optimizer,
-                     adapters=adapters, per_device=per_device)
-    return JobSizing(parts, 0.0 if job.train else probe.kv_growth_per_token, kv // job.batch, probe.largest_layer)
+                     adapters=adapters, per_device=per_device, split=split)
+    return JobSizing(parts, 0.0 if job.train else probe.kv_growth_per_token, kv // job.batch, probe.largest_layer,
+                     probe.splits)
+
+
+def _split_request(job: Job, quantization: str | None, usable: int | None, weights: int) -> tuple[int, int, int] | None:
+    """What the probe is asked to split over GPUs: inference with a GPU's usable bytes (GPUs, usable, weights)."""
+    if usable is None or job.train:
+        return None
+    if quantization is not None:
+        if job.gpus > 1:  # the meta model is not quantized, so transformers' map of it would not be the real one
+            raise OomMagicError("a quantized load is not sized over several GPUs yet: check it on one GPU "
+                                "(--target without Nx), or the unquantized load over several")
+        return None
+    return job.gpus, usable, weights

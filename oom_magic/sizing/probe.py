@@ -23,7 +23,111 @@ from pathlib import Path
 from ..checkpoints.config_size import CONFIG_CHILD_PRELUDE, run_child
 from ..common.errors import OomMagicError
 
-__all__ = ["JobProbe", "probe_job"]
+__all__ = ["JobProbe", "SplitFigures", "probe_job"]
+
+# device_split, run by the child for inference when argv[8:12] (gpus, usable bytes per GPU, the weights'
+# bytes, the most GPUs to try) are given: where from_pretrained(device_map="auto", max_memory={0: usable,
+# ...}) puts each module, each GPU's parameters and buffers, and the cache of the decoder layers it holds
+# (cache layer i lives with decoder layer i). For the job's count of GPUs (when more than one), then, when
+# that does not fit, for each larger count until one fits (sizing.device_split.split_fits judges the same).
+_DEVICE_SPLIT = r"""
+split_gpus, split_usable, split_weights, MOST_GPUS = (int(a) for a in (sys.argv[8:12] or ["1", "0", "0", "1"]))
+if split_usable and not lora_r:
+    import itertools
+
+    def layer_bytes(cache):
+        # each cache layer's bytes in order (cross-attention's with its decoder layer); what no layer holds, on layer 0
+        parts = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(cache, "cross_attention_cache") \
+            else [cache]
+        lists = [getattr(part, "layers", None) for part in parts]
+        if not all(isinstance(each, (list, tuple)) and each for each in lists):
+            raise TypeError(f"{type(cache).__name__} keeps no list of layers")
+        per = [sum(cache_bytes(each[i]) for each in lists if i < len(each)) for i in range(max(map(len, lists)))]
+        per[0] += cache_bytes(cache) - sum(per)
+        return per
+
+    def decoder_layer_names(count):
+        # the ModuleList of the count no-split blocks the cache's layers belong to (the decoder's, encoder-decoder)
+        no_split = set(getattr(model, "_no_split_modules", None) or ())
+        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == count]
+        lists = [(n, m) for n, m in lists if all(type(b).__name__ in no_split for b in m)] or lists
+        if encoder_decoder:
+            lists = [(n, m) for n, m in lists if "decoder" in n] or lists
+        if not lists:
+            raise ValueError(f"no list of {count} layers matches the cache's {count} layers")
+        return [f"{lists[0][0]}.{i}" for i in range(count)]
+
+    def placed(name, device_map):
+        # the device of a parameter or module: its longest prefix in the map (accelerate's own rule)
+        while name not in device_map:
+            if not name:
+                return device_map.get("", "cpu")
+            name = name.rpartition(".")[0]
+        return device_map[name]
+
+    def device_map_for(count):
+        memory = {i: split_usable for i in range(count)}
+        try:  # transformers 5: what from_pretrained itself calls for device_map="auto"
+            from transformers.integrations.accelerate import _get_device_map
+        except ImportError:
+            _get_device_map = None
+        if _get_device_map is not None:
+            return dict(_get_device_map(model, "auto", memory, None))
+        from accelerate.utils import get_balanced_memory, infer_auto_device_map
+        no_split = list(getattr(model, "_no_split_modules", None) or [])
+        balanced = get_balanced_memory(model, max_memory=memory, no_split_module_classes=no_split)
+        return dict(infer_auto_device_map(model, max_memory=balanced, no_split_module_classes=no_split))
+
+    def split(count):
+        device_map = device_map_for(count)
+        weights, spilled = [0] * count, 0
+        for name, tensor in tensors:
+            where, size = placed(name, device_map), tensor.numel() * tensor.element_size()
+            if isinstance(where, int) and 0 <= where < count:
+                weights[where] += size
+            else:
+                spilled += size
+        homes = [placed(name, device_map) for name in names]
+        on = lambda per, device: sum(b for b, home in zip(per, homes) if home == device)
+        kv = [max(on(layer_prompt, d), on(layer_context, d)) for d in range(count)]
+        return {"gpus": count, "weights": weights, "kv_cache": kv,
+                "kv_growth_per_token": [(max(on(longer_prompt, d), on(longer_context, d)) - kv[d]) / STEP
+                                        for d in range(count)],
+                "layers": [[i for i, home in enumerate(homes) if home == d] for d in range(count)],
+                "spilled": spilled,
+                "spilled_modules": [f"{k or '(all)'} -> {v}" for k, v in device_map.items() if not isinstance(v, int)]}
+
+    def fits(figures):
+        return not figures["spilled"] and all(w + k + (transient if w else 0) <= split_usable
+                                              for w, k in zip(figures["weights"], figures["kv_cache"]))
+
+    transient, peak = answer["activations"] or 0, max(after_prompt, at_context)
+    splits = []
+    # on one GPU the splits only say how many it would take; a model transformers cannot split leaves that unsaid
+    if split_gpus > 1 or split_weights + peak + transient > split_usable:
+        try:
+            import accelerate  # noqa: F401  transformers splits a model only with accelerate installed
+            layer_prompt, layer_context = held(prompt, context, layer_bytes)
+            longer_prompt, longer_context = held(prompt if prompt < context else context + STEP, context + STEP,
+                                                 layer_bytes)
+            names = decoder_layer_names(len(layer_prompt))
+            # parameters and buffers (non-persistent ones too): dispatch puts both on the module's device
+            tensors = list(itertools.chain(model.named_parameters(), model.named_buffers()))
+            splits = [split(split_gpus)] if split_gpus > 1 else []
+            if not (splits and fits(splits[0])):
+                # no split fits on fewer GPUs than the weights and the cache need added up
+                for count in range(max(split_gpus + 1, 2, -(-(split_weights + peak) // split_usable)), MOST_GPUS + 1):
+                    splits.append(split(count))
+                    if fits(splits[-1]):
+                        break
+        except Exception as exc:
+            if split_gpus > 1:
+                missing = isinstance(exc, ImportError) and "accelerate" in str(exc)
+                print(json.dumps({"unsplittable": "accelerate is not installed: pip install accelerate" if missing
+                                  else first(exc)})); sys.exit(0)
+            splits = []
+    answer["splits"] = splits
+"""
 
 # Run by the child: argv = folder, dtype, batch, prompt, context, lora_r (0: none), lora targets (JSON).
 _CHILD = CONFIG_CHILD_PRELUDE + r"""
@@ -84,17 +188,17 @@ def run(tokens, past=None, encoder_tokens=0):
             out = model(input_ids=ids, past_key_values=past, use_cache=True)
     return out.past_key_values
 
-def held(prompt, context):
-    # (bytes after the prompt's forward, bytes once the cache holds the whole context)
+def held(prompt, context, measure=cache_bytes):
+    # (bytes after the prompt's forward, bytes once the cache holds the whole context); measure: per layer too
     if encoder_decoder:
         # the prompt is the encoder's input; the decoder holds the rest of the context
         decoder = max(context - prompt, 1)
-        after_prompt = cache_bytes(run(1, encoder_tokens=prompt))
+        after_prompt = measure(run(1, encoder_tokens=prompt))
         if decoder == 1:
             return after_prompt, after_prompt
-        return after_prompt, cache_bytes(run(1, past=run(decoder - 1, encoder_tokens=prompt), encoder_tokens=prompt))
-    after_prompt = cache_bytes(run(prompt))
-    return after_prompt, (cache_bytes(run(1, past=run(context - 1))) if context > prompt else after_prompt)
+        return after_prompt, measure(run(1, past=run(decoder - 1, encoder_tokens=prompt), encoder_tokens=prompt))
+    after_prompt = measure(run(prompt))
+    return after_prompt, (measure(run(1, past=run(context - 1))) if context > prompt else after_prompt)
 
 class Live(TorchDispatchMode):
     # live bytes as ops create tensors and Python frees them: the memory timeline of a real run
@@ -176,6 +280,7 @@ if lora_r:
         print(json.dumps({"unadaptable": first(exc)})); sys.exit(0)
     answer["adapters"] = rows(wrapped, only_trainable=True)
     answer["lora_targets"] = sorted(str(t) for t in (wrapped.peft_config["default"].target_modules or []))
+""" + _DEVICE_SPLIT + r"""
 print(json.dumps(answer))
 """
 
@@ -193,28 +298,50 @@ class JobProbe:
     lora_targets: tuple[str, ...]
     largest_layer: int     # bytes of the largest repeated block (what FSDP gathers at once)
     encoder_decoder: bool
+    splits: tuple[SplitFigures, ...] = ()  # inference over GPUs: device_map="auto" for the job's count, then more
+
+
+@dataclass(frozen=True)
+class SplitFigures:
+    """Where ``device_map="auto"`` puts a model over ``gpus`` GPUs, and what each GPU then holds (int bytes)."""
+
+    gpus: int
+    weights: tuple[int, ...]     # parameters and buffers placed on each GPU
+    kv_cache: tuple[int, ...]    # the cache of the decoder layers each holds, at that GPU's peak
+    kv_growth_per_token: tuple[float, ...]  # how each GPU's peak cache grows per token of context
+    layers: tuple[tuple[int, ...], ...]     # the decoder layers (cache layers) each GPU holds
+    spilled: int                 # bytes of parameters and buffers the map puts on the cpu or disk
+    spilled_modules: tuple[str, ...]        # "module -> cpu|disk", in the map's order
 
 
 _cache: dict[tuple, JobProbe] = {}
 
 
 def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, context: int,
-              lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> JobProbe:
+              lora_r: int = 0, lora_targets: tuple[str, ...] = (), split: tuple[int, int, int] | None = None,
+              most_gpus: int = 64) -> JobProbe:
     """Run the job's forwards on the meta device from ``config`` (a config.json) and return what it held.
 
+    ``split`` (inference: GPUs, usable bytes on each, the weights' bytes) also asks where
+    ``device_map="auto"`` puts the model over that many GPUs (when more than one) and, when that
+    does not fit, over each larger count up to ``most_gpus`` until one fits (``JobProbe.splits``).
     Raises OomMagicError with one line when transformers or peft cannot build or run the model,
     or the child runs past its time or memory bound.
     """
     stat = config.stat()
-    key = (str(config.resolve()), stat.st_mtime_ns, dtype, batch, prompt, context, lora_r, lora_targets)
+    key = (str(config.resolve()), stat.st_mtime_ns, dtype, batch, prompt, context, lora_r, lora_targets, split,
+           most_gpus)
     if key not in _cache:
         args = [str(config.parent), dtype or "", str(batch), str(prompt), str(context), str(lora_r),
                 json.dumps(list(lora_targets))]
+        if split is not None:
+            args += [*(str(n) for n in split), str(most_gpus)]
         answer = run_child(_CHILD, args, str(config))
         for problem, what in (("unreadable", "transformers cannot read it"),
                               ("unbuildable", "transformers cannot build it"),
                               ("unrunnable", "transformers cannot run its forward on the meta device"),
-                              ("unadaptable", "peft cannot add LoRA adapters to it")):
+                              ("unadaptable", "peft cannot add LoRA adapters to it"),
+                              ("unsplittable", 'transformers cannot split it over GPUs (device_map="auto")')):
             if problem in answer:
                 raise OomMagicError(f"{config.name}: {what} ({answer[problem]}); the job is not sized")
         activations = answer.get("activations")
@@ -223,5 +350,13 @@ def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, conte
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["parameters"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["adapters"]),
             tuple(str(t) for t in answer.get("lora_targets", ())), int(answer["largest_layer"]),
-            bool(answer["encoder_decoder"]))
+            bool(answer["encoder_decoder"]), _splits(answer.get("splits", ())))
     return _cache[key]
+
+
+def _splits(rows: list[dict]) -> tuple[SplitFigures, ...]:
+    return tuple(SplitFigures(int(row["gpus"]), tuple(int(b) for b in row["weights"]),
+                              tuple(int(b) for b in row["kv_cache"]),
+                              tuple(float(g) for g in row["kv_growth_per_token"]),
+                              tuple(tuple(int(i) for i in held) for held in row["layers"]), int(row["spilled"]),
+                              tuple(str(m) for m in row["spilled_modules"])) for row in rows)
