@@ -2,7 +2,8 @@
 
 ``job_fit("path", Job(context=8192, batch=4), "2xA10G")`` sizes the job (``sizing.parts``) and
 answers: does the busiest device fit, the largest context at this batch and the largest batch at
-this context that would, and how many of that GPU the job needs when it does not.
+this context that would (a fine-tune's from how its step's activations grow per sequence), and how
+many of that GPU the job needs when it does not.
 """
 from __future__ import annotations
 
@@ -59,6 +60,10 @@ def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: in
         if sizing.kv_growth_per_token > 0:
             largest_context = max(job.context + math.floor((room - parts.kv_cache) / sizing.kv_growth_per_token), 0)
         largest_batch = max(room // sizing.kv_per_sequence, 0) if sizing.kv_per_sequence else None
+    elif parts.activations is not None and sizing.activations_per_sequence > 0:
+        # a step's activations grow linearly with the batch (sized at batch and batch + 1); the rest stays
+        room = (usable if parts.per_device else budget) - (needed - parts.activations)
+        largest_batch = max(job.batch + math.floor((room - parts.activations) / sizing.activations_per_sequence), 0)
     return JobFit(checkpoint, job, parts, name, usable, fits, largest_context, largest_batch,
                   None if fits else _gpus_needed(job, sizing, usable))
 
@@ -68,8 +73,8 @@ def _gpus_needed(job: Job, sizing: JobSizing, usable: int) -> int | None:
     if not job.train:
         count = math.ceil(parts.total / usable)
         return count if count <= _MOST_GPUS else None
-    gathered = sizing.largest_layer
+    gathered = sizing.largest_layer + (parts.activations or 0)  # each device's own step is not sharded
     for count in range(job.gpus + 1, _MOST_GPUS + 1):
-        if math.ceil(parts.total / count) + gathered <= usable:
+        if math.ceil((parts.total - (parts.activations or 0)) / count) + gathered <= usable:
             return count
     return None

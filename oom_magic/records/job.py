@@ -26,6 +26,8 @@ class Job:
     lora_r: int = 16               # the LoRA rank, for "lora" / "qlora"
     lora_targets: tuple[str, ...] = ()  # LoraConfig.target_modules; empty: peft's default for the model
     gpus: int = 1                  # devices the job is split over (device_map="auto" / FSDP)
+    gradient_checkpointing: bool = False  # activations recomputed per layer in the backward (train only)
+    mixed_precision: str | None = None  # "bf16"/"fp16": float32 weights, autocast compute (train only)
 
     @property
     def prompt_tokens(self) -> int:
@@ -39,11 +41,12 @@ class JobParts(Shown):
 
     weights: int
     kv_cache: int      # at its peak: after the prompt, or at the whole context, whichever is larger
-    activations: int | None  # the transient peak of one forward (and backward); None where not sized
+    activations: int | None  # the transient peak of one forward, or of a training step (probe.TrainStep); None: not sized
     gradients: int
     optimizer: int     # optimizer state on the device (AdamW's step counters live on the host)
     adapters: int      # LoRA parameters
     per_device: tuple[int, ...] = ()  # each device's share when split over several (empty: one device)
+    weight_casts: int = 0  # of activations: autocast's low-precision copies of the weights (mixed precision)
 
     @property
     def total(self) -> int:
@@ -63,7 +66,7 @@ class JobFit(Shown):
     usable: int                  # what PyTorch can hold on one of them
     fits: bool
     largest_context: int | None  # at job.batch; None: not bounded by the cache (a fixed state) or training
-    largest_batch: int | None    # at job.context; None where not sized (training: activations unknown)
+    largest_batch: int | None    # at job.context; None where not sized (training: activations not sized)
     gpus_needed: int | None      # of the target GPU, when more than job.gpus; None when it fits or > 64
 
     @property

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..checkpoints.config_size import CONFIG_CHILD_PRELUDE, run_child
 from ..common.errors import OomMagicError
 
-__all__ = ["JobProbe", "probe_job"]
+__all__ = ["JobProbe", "TrainStep", "probe_job"]
 
 # Run by the child: argv = folder, dtype, batch, prompt, context, lora_r (0: none), lora targets (JSON).
 _CHILD = CONFIG_CHILD_PRELUDE + r"""
@@ -176,6 +176,84 @@ if lora_r:
         print(json.dumps({"unadaptable": first(exc)})); sys.exit(0)
     answer["adapters"] = rows(wrapped, only_trainable=True)
     answer["lora_targets"] = sorted(str(t) for t in (wrapped.peft_config["default"].target_modules or []))
+
+# --- training: one step's forward and backward (run only when the job trains) ---
+TRAIN_STEP = next((json.loads(a[len("train_step="):]) for a in sys.argv[8:] if a.startswith("train_step=")), None)
+
+class StepLive(Live):
+    # the weights' storages were there before the step (t() views of them are saved for the backward, not new)
+    def __init__(self, before):
+        super().__init__()
+        self.held.update({key: [0, 1 << 62] for key in before})
+        self.before, self.casts = before, {}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            source = args[0].untyped_storage()._cdata
+            if source in self.before:  # autocast's low-precision copy of a weight
+                self.casts[source] = out.untyped_storage().nbytes()
+        return out
+
+def as_fake_cpu(module, mode):
+    # the meta model's tensors as fake cpu tensors: shapes only, but autocast's cpu rules apply (meta has none)
+    from torch._subclasses.fake_tensor import FakeTensor
+    made, cpu = {}, torch.device("cpu")
+    def fake(t):
+        if id(t) not in made:  # tied weights stay one tensor
+            made[id(t)] = FakeTensor(mode, t.detach(), cpu)
+        return made[id(t)]
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                sub._parameters[name] = made[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = fake(b)
+
+def train_step_transient(step):
+    # (peak beyond what the step leaves, at batch and batch + 1; autocast's weight copies) of one step with
+    # labels on the probe's model (LoRA-wrapped when asked), eager attention
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:  # the experts as transformers runs them by default; grouped_mm's fake kernel wants bfloat16, its fallback not
+        import transformers.integrations.moe as moe
+        moe._can_use_grouped_mm = lambda *args: False
+        model.set_experts_implementation("grouped_mm")
+    except Exception:
+        pass
+    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(step["mixed_precision"])
+    trained = wrapped if lora_r else model
+    trained.train()
+    model.set_attn_implementation("eager")
+    if step["gradient_checkpointing"]:  # transformers' own (use_reentrant=False in 5.x)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    as_fake_cpu(trained, fake_mode)
+    before = {t.untyped_storage()._cdata for t in [*trained.parameters(), *trained.buffers()]}
+    peaks, casts = [], 0
+    with fake_mode:
+        for rows in (batch, batch + 1):
+            ids = torch.zeros(rows, context, dtype=torch.long)
+            live = StepLive(before)
+            with live:
+                with torch.autocast("cpu", dtype=mixed or torch.bfloat16, enabled=mixed is not None):
+                    loss = trained(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)).loss
+                loss.backward()
+                del loss
+            peaks.append(live.peak - live.live)  # what is left: the gradients
+            casts = sum(live.casts.values())
+            for p in trained.parameters():
+                p.grad = None
+    return peaks, casts
+
+if TRAIN_STEP is not None:
+    try:
+        (at_batch, one_more), casts = train_step_transient(TRAIN_STEP)
+        answer.update(train_activations=at_batch, train_per_sequence=one_more - at_batch, weight_casts=casts)
+    except Exception as exc:
+        answer["train_unsized"] = first(exc)
 print(json.dumps(answer))
 """
 
@@ -193,23 +271,30 @@ class JobProbe:
     lora_targets: tuple[str, ...]
     largest_layer: int     # bytes of the largest repeated block (what FSDP gathers at once)
     encoder_decoder: bool
+    train_activations: int | None = None  # one training step's peak beyond what it leaves (see train_step); None: not run
+    train_per_sequence: int = 0  # how much that peak grows with one more sequence in the batch
+    weight_casts: int = 0  # of train_activations: autocast's low-precision copies of the weights (mixed precision)
 
 
 _cache: dict[tuple, JobProbe] = {}
 
 
 def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, context: int,
-              lora_r: int = 0, lora_targets: tuple[str, ...] = ()) -> JobProbe:
+              lora_r: int = 0, lora_targets: tuple[str, ...] = (), train_step: TrainStep | None = None) -> JobProbe:
     """Run the job's forwards on the meta device from ``config`` (a config.json) and return what it held.
 
-    Raises OomMagicError with one line when transformers or peft cannot build or run the model,
-    or the child runs past its time or memory bound.
+    ``train_step``: also run one training step of ``batch`` sequences of ``context`` tokens (see
+    ``TrainStep``) and report its activations. Raises OomMagicError with one line when transformers
+    or peft cannot build or run the model, or the child runs past its time or memory bound.
     """
     stat = config.stat()
-    key = (str(config.resolve()), stat.st_mtime_ns, dtype, batch, prompt, context, lora_r, lora_targets)
+    key = (str(config.resolve()), stat.st_mtime_ns, dtype, batch, prompt, context, lora_r, lora_targets, train_step)
     if key not in _cache:
         args = [str(config.parent), dtype or "", str(batch), str(prompt), str(context), str(lora_r),
                 json.dumps(list(lora_targets))]
+        if train_step is not None:
+            args.append("train_step=" + json.dumps({"gradient_checkpointing": train_step.gradient_checkpointing,
+                                                    "mixed_precision": train_step.mixed_precision}))
         answer = run_child(_CHILD, args, str(config))
         for problem, what in (("unreadable", "transformers cannot read it"),
                               ("unbuildable", "transformers cannot build it"),
@@ -223,5 +308,29 @@ def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, conte
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["parameters"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["adapters"]),
             tuple(str(t) for t in answer.get("lora_targets", ())), int(answer["largest_layer"]),
-            bool(answer["encoder_decoder"]))
+            bool(answer["encoder_decoder"]), *_train_step_answer(answer, config, train_step))
     return _cache[key]
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """How one training step runs, for its activations: labels = the inputs, the loss transformers computes.
+
+    A step's activations are its peak live bytes during the forward and backward, above what existed
+    before the forward (weights, optimizer state) and what the step leaves (the gradients): with the
+    gradients and the state, the step's whole peak. They include the loss's float32 logits
+    (batch x context x vocab, upcast by transformers' loss), eager attention's scores, and under
+    ``mixed_precision`` autocast's low-precision copies of the weights it casts.
+    """
+
+    gradient_checkpointing: bool = False  # transformers' own: each layer's activations recomputed in the backward
+    mixed_precision: str | None = None    # "bf16"/"fp16": float32 weights under torch.autocast
+
+
+def _train_step_answer(answer: dict, config: Path, train_step: TrainStep | None) -> tuple[int | None, int, int]:
+    if train_step is None:
+        return None, 0, 0
+    if "train_unsized" in answer:
+        raise OomMagicError(f"{config.name}: transformers cannot run a training step of it on fake tensors "
+                            f"({answer['train_unsized']}); the job is not sized")
+    return int(answer["train_activations"]), int(answer["train_per_sequence"]), int(answer["weight_casts"])
