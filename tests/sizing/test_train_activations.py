@@ -1,6 +1,6 @@
 """One training step's activations as sized (probe.TrainStep), against the PyTorch profiler's memory
 timeline of a real cpu step on tiny models: with and without gradient checkpointing, LoRA, and
-bf16 mixed precision (float32 weights under torch.autocast).
+bf16/fp16 mixed precision (float32 weights under torch.autocast).
 
 What is compared: the step's peak live bytes during forward and backward, beyond what existed
 before the forward (the weights) and what the step leaves (the gradients): the profiler's peak
@@ -97,9 +97,9 @@ def test_a_lora_steps_activations_flow_through_the_frozen_base_within_15_percent
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-@pytest.mark.parametrize("family", ["llama-gqa", "gpt2"])
-def test_bf16_mixed_precision_under_autocast_is_within_15_percent_and_float32_to_the_byte(family, checkpointing,
-                                                                                          tmp_path):
+@pytest.mark.parametrize("family,precision", [("llama-gqa", "bf16"), ("gpt2", "bf16"), ("llama-gqa", "fp16")])
+def test_mixed_precision_under_autocast_is_within_15_percent_and_float32_to_the_byte(family, precision, checkpointing,
+                                                                                     tmp_path):
     # batch 4: the cpu's bf16 matmul allocates a weight-sized scratch buffer inside aten::mm (a kernel
     # workspace, like cuBLAS's on a GPU, not a tensor: 165,632 bytes at gpt2's checkpointed peak); these tiny
     # models' activations are small beside one weight, so at batch 2 that scratch alone is 15% of them
@@ -107,9 +107,10 @@ def test_bf16_mixed_precision_under_autocast_is_within_15_percent_and_float32_to
     model = _prepared(family, checkpointing, tmp_path / "config")
     model.save_pretrained(tmp_path / "model")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    real, left = _real_step(model, batch=batch, mixed=torch.bfloat16)
+    real, left = _real_step(model, batch=batch, mixed={"bf16": torch.bfloat16, "fp16": torch.float16}[precision])
     optimizer.step()
-    job = Job(context=CONTEXT, batch=batch, train="adamw", gradient_checkpointing=checkpointing, mixed_precision="bf16")
+    job = Job(context=CONTEXT, batch=batch, train="adamw", gradient_checkpointing=checkpointing,
+              mixed_precision=precision)
     parts = size_job(tmp_path / "model", job).parts
 
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
@@ -120,7 +121,7 @@ def test_bf16_mixed_precision_under_autocast_is_within_15_percent_and_float32_to
     assert parts.activations is not None
     assert abs(parts.activations - real) <= TOLERANCE * real, (parts.activations, real)
     # autocast's cpu rules cast the matmuls' parameters (linear; addmm for gpt2's Conv1D, bias too), not
-    # embeddings or norms: a bfloat16 copy of each, once (tied weights once)
+    # embeddings or norms: a 2-byte copy of each, once (tied weights once)
     cast = {id(p): p for m in model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"
             for p in m.parameters(recurse=False)}
     assert parts.weight_casts == sum(2 * p.numel() for p in cast.values()) > 0
