@@ -46,7 +46,7 @@ class JobParts(Shown):
     optimizer: int     # optimizer state on the device (AdamW's step counters live on the host)
     adapters: int      # LoRA parameters
     per_device: tuple[int, ...] = ()  # each device's share when split over several (empty: one device)
-    weight_casts: int = 0  # of activations: autocast's low-precision copies of the weights (mixed precision)
+    weight_casts: int = 0  # autocast's low-precision weight copies (mixed precision): in activations while live at the peak
 
     @property
     def total(self) -> int:

@@ -41,9 +41,9 @@ def _step_line(fit: JobFit) -> str:
     if job.gpus > 1:
         line += f"; each GPU runs its own batch of {job.batch}"
     if job.mixed_precision:
-        line += (f"; with autocast's {job.mixed_precision} copies of the weights it casts "
-                 f"({format_bytes(fit.parts.weight_casts)}), counted there; weights, gradients and AdamW state "
-                 "float32")
+        line += (f"; autocast's {job.mixed_precision} copies of the weights it casts "
+                 f"({format_bytes(fit.parts.weight_casts)}, held until the backward has used them) are counted "
+                 "there as far as they are live at the peak; weights, gradients and AdamW state float32")
     return line
 
 

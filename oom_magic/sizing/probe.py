@@ -281,7 +281,7 @@ class JobProbe:
     encoder_decoder: bool
     train_activations: int | None = None  # one training step's peak beyond what it leaves (see train_step); None: not run
     train_per_sequence: int = 0  # how much that peak grows with one more sequence in the batch
-    weight_casts: int = 0  # of train_activations: autocast's low-precision copies of the weights (mixed precision)
+    weight_casts: int = 0  # autocast's low-precision weight copies (mixed precision); in train_activations while live
 
 
 _cache: dict[tuple, JobProbe] = {}
@@ -328,7 +328,9 @@ class TrainStep:
     before the forward (weights, optimizer state) and what the step leaves (the gradients): with the
     gradients and the state, the step's whole peak. They include the loss's float32 logits
     (batch x context x vocab, upcast by transformers' loss), eager attention's scores, and under
-    ``mixed_precision`` autocast's low-precision copies of the weights it casts.
+    ``mixed_precision`` autocast's low-precision copies of the weights it casts, as far as they are
+    still live at the peak (the backward frees each once it has used it; the peak is often late in
+    the backward, when the gradients are nearly all there).
     """
 
     gradient_checkpointing: bool = False  # transformers' own: each layer's activations recomputed in the backward
