@@ -59,13 +59,15 @@ def job_fit_text(fit: JobFit) -> str:
     lines.append(f"    {'total':<12}{format_bytes(fit.parts.total):>12}")
     if fit.parts.per_device:
         each = ", ".join(format_bytes(b) for b in fit.parts.per_device)
-        lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of everything plus the largest layer gathered): {each}")
+        step = " and its own step's activations" if fit.parts.activations else ""
+        lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of the rest plus the largest layer gathered{step}): {each}")
     if fit.largest_context is not None:
         held = "the weights and the cache alone" if fit.job.prompt is None else \
             f"with the {fit.job.prompt:,}-token prompt's forward"
         lines.append(f"  largest context at batch {fit.job.batch}: {fit.largest_context:,} tokens ({held})")
     if fit.largest_batch is not None:
-        lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}")
+        how = f" (the step sized at batch {fit.job.batch} and {fit.job.batch + 1}, grown linearly)" if fit.job.train else ""
+        lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}{how}")
     if fit.gpus_needed is not None:
         lines.append(f"  needs {fit.gpus_needed}x{fit.target}")
     if fit.parts.activations is None:

@@ -73,6 +73,9 @@ def test_lora_over_two_gpus_reports_adapters_and_a_share_per_gpu(llama):
     assert (fit.parts.adapters, fit.parts.gradients, fit.parts.optimizer) == (adapters, adapters, 2 * adapters)
     assert fit.parts.kv_cache == 0 and len(fit.parts.per_device) == 2
     assert fit.parts.per_device[0] > fit.parts.total // 2  # plus the largest layer, gathered whole
+    # each GPU runs its own step: its activations are whole on each, not halved
+    assert fit.parts.activations is not None and fit.parts.per_device[0] - fit.parts.activations > \
+        (fit.parts.total - fit.parts.activations) // 2
 
 
 @pytest.mark.parametrize("args,message", [
