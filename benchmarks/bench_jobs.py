@@ -4,7 +4,9 @@ For each family: the KV cache's peak of a generate (prompt 48, 16 new tokens, ba
 on the meta device, as really held (the cache's storages after the prompt and at the end), and as
 a window-sized formula and a full-context formula would say; for fine-tunes: weights + gradients
 + optimizer state after a real AdamW / LoRA step, beside accelerate's estimate-memory rule (4x the
-weights for Adam). Written to benchmarks/JOBS.md by ``make bench`` (benchmarks/run.py).
+weights for Adam); and one training step's activations (its peak beyond the gradients, from the
+PyTorch profiler's memory events) with and without gradient checkpointing and under bf16 autocast.
+Written to benchmarks/JOBS.md by ``make bench`` (benchmarks/run.py).
 """
 from __future__ import annotations
 
@@ -139,6 +141,40 @@ def _split(root: Path, gpus: int = 2) -> dict[str, Any]:
             "with_forward": list(fit.parts.per_device), "even_share": -(-fit.parts.total // gpus)}
 
 
+STEP_BATCH, STEP_CONTEXT = 4, 64
+
+
+def _step_activations(family: str, checkpointing: bool, mixed: bool, root: Path) -> dict[str, Any]:
+    """One real cpu training step's peak beyond what it leaves (the profiler), beside the probe's figure."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from oom_magic.sizing.probe import TrainStep, probe_job
+    from tests.sizing.families import build
+
+    model = build(family).train()
+    model.set_attn_implementation("eager")
+    model.config.save_pretrained(root / family)
+    if checkpointing:
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    ids = torch.randint(3, 256, (STEP_BATCH, STEP_CONTEXT))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            loss = model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)).loss
+        loss.backward()
+        del loss
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    probe = probe_job(root / family / "config.json", "float32", batch=STEP_BATCH, prompt=STEP_CONTEXT,
+                      context=STEP_CONTEXT, train_step=TrainStep(checkpointing, "bf16" if mixed else None))
+    how = ("bf16 autocast, " if mixed else "") + ("checkpointing" if checkpointing else "no checkpointing")
+    return {"family": family, "job": how, "predicted": probe.train_activations, "measured": peak - live,
+            "weight_casts": probe.weight_casts}
+
+
 def run() -> dict[str, Any]:
     from tests.sizing.families import FAMILIES
 
@@ -149,7 +185,12 @@ def run() -> dict[str, Any]:
         training = [_training(family, kind, root) for family, kind in (
             ("llama-gqa", "full"), ("llama-gqa", "lora"), ("gpt2", "full"), ("gpt2", "lora"), ("mixtral-moe", "full"))]
         split = [_split(root)]
-    return {"inference": inference, "training": training, "split": split}
+        steps = [_step_activations(family, checkpointing, False, root)
+                 for family in ("llama-gqa", "gpt2", "mistral-sliding", "mixtral-moe", "gemma2-alternating")
+                 for checkpointing in (False, True)]
+        steps += [_step_activations(family, checkpointing, True, root)
+                  for family in ("llama-gqa", "gpt2") for checkpointing in (False, True)]
+    return {"inference": inference, "training": training, "split": split, "step_activations": steps}
 
 
 def _cell(value: int | None, truth: int) -> str:
@@ -177,6 +218,17 @@ def markdown(result: dict[str, Any]) -> str:
         m = row["measured"]
         lines.append(f"| {row['family']} | {row['job']} | {m:,} | {_cell(row['predicted'], m)} | "
                      f"{_cell(row['accelerate_4x'], m)} |")
+    lines += ["", f"## Fine-tuning: one training step's activations (batch {STEP_BATCH} x {STEP_CONTEXT} tokens, "
+              "eager attention, float32 weights)", "",
+              "The step's peak during forward and backward beyond what it leaves (the gradients): measured by the "
+              "PyTorch profiler's memory events of a real cpu step, predicted on fake tensors in the sizing child. "
+              "Under bf16 autocast the prediction includes autocast's bf16 copies of the weights (shown); the cpu's "
+              "bf16 matmul also allocates a weight-sized scratch buffer inside the kernel, which it leaves out.", "",
+              "| family | step | measured | oom-magic | of which autocast's weight copies |", "|---|---|---|---|---|"]
+    for row in result.get("step_activations", []):
+        m = row["measured"]
+        lines.append(f"| {row['family']} | {row['job']} | {m:,} | {_cell(row['predicted'], m)} | "
+                     f"{row['weight_casts']:,} |")
     lines += _split_markdown(result.get("split", []))
     return "\n".join(lines) + "\n"
 

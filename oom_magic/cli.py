@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from .fit.check import DTYPES, QUANTIZATIONS
 from .records.job import TRAIN_KINDS
+from .sizing.parts import MIXED_PRECISIONS
 
 if TYPE_CHECKING:
     from .records.preflight import Preflight
@@ -102,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--train", default=None, choices=TRAIN_KINDS,
                      help="A fine-tune instead of inference: the optimizer (adamw, sgd, adamw8bit) or LoRA/QLoRA.")
     job.add_argument("--lora-r", type=int, default=16, metavar="R", help="The LoRA rank (default 16).")
+    job.add_argument("--gradient-checkpointing", action="store_true",
+                     help="With --train: transformers' gradient checkpointing (each layer's activations recomputed "
+                          "in the backward).")
+    job.add_argument("--mixed-precision", default=None, choices=MIXED_PRECISIONS,
+                     help="With --train: float32 weights, gradients and AdamW state, computed in bf16 or fp16 under "
+                          "torch.autocast.")
     return parser
 
 
@@ -113,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .common.errors import OomMagicError
     from .fit.check import fit_check
 
+    if (args.gradient_checkpointing or args.mixed_precision) and args.train is None:
+        return _fail(args.json, "--gradient-checkpointing and --mixed-precision size a fine-tune's step: add --train "
+                                f"{'|'.join(TRAIN_KINDS)}")
     gguf = args.file is not None or str(args.checkpoint).endswith(".gguf")
     if gguf and (args.context is not None or args.train is not None):
         problem = _as_llama_cpp_job(args)
@@ -173,7 +183,8 @@ def _job(args: argparse.Namespace) -> int:
         if args.target is None:
             raise OomMagicError("sizing a job needs --target GPU (T4, A10G, 2xA10G, 24GiB, ...)")
         job = Job(context=1 if args.context is None else args.context, batch=args.batch, prompt=args.prompt, train=args.train,
-                  lora_r=args.lora_r)
+                  lora_r=args.lora_r, gradient_checkpointing=args.gradient_checkpointing,
+                  mixed_precision=args.mixed_precision)
         with hub_options(timeout=args.hub_timeout):  # an uncached hub id: its config and headers, bounded
             fit = job_fit(args.checkpoint, job, args.target, dtype=args.dtype, quantization=args.quantization)
     except OomMagicError as exc:

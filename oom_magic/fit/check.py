@@ -19,6 +19,7 @@ from ..common.sizes import parse_headroom
 from ..records.job import Job, JobFit
 from ..records.request import LoadRequest
 from ..records.target import Target
+from ..sizing.parts import check_job
 from .job_fit import job_fit
 from .preflight import Preflight, check_requests, preflight_check
 from .targets import parse_target
@@ -97,7 +98,8 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
               namespace: Mapping[str, Any] | None = None, revision: str | None = None,
               token: str | None = None, hub_timeout: float | None = None, context: int | None = None,
               batch: int = 1, prompt: int | None = None, train: str | None = None,
-              lora_r: int = 16) -> Preflight | JobFit:
+              lora_r: int = 16, gradient_checkpointing: bool = False,
+              mixed_precision: str | None = None) -> Preflight | JobFit:
     """Check whether a checkpoint, or the loads in some code, fit a device or a target GPU; runs nothing.
 
     ``path_or_cell_or_call`` is a checkpoint (file, folder, shard index or cached hub id ``org/name``)
@@ -112,17 +114,20 @@ def fit_check(path_or_cell_or_call: str | os.PathLike[str], *, device: str | Non
 
     ``context`` / ``train`` ("adamw", "sgd", "adamw8bit", "lora", "qlora") size the job instead of the
     load alone, against ``target`` ("A10G", "2xA10G"), and return a ``JobFit`` (see fit.job_fit).
+    A fine-tune's step may run with ``gradient_checkpointing`` (transformers' own) and
+    ``mixed_precision`` ("bf16"/"fp16": float32 weights, gradients and AdamW state, autocast compute).
 
     A hub id not in the local cache is sized from its config.json and safetensors headers read from
     the hub at ``revision`` (``token``: else HF_TOKEN or the saved login), within ``hub_timeout``
     seconds (default 10); a failure to read them is an ``OomMagicError`` of one line.
     """
     job: Job | None = None
-    if context is not None or train is not None:
+    if context is not None or train is not None or gradient_checkpointing or mixed_precision is not None:
+        job = Job(context=1 if context is None else context, batch=batch, prompt=prompt, train=train,  # type: ignore[arg-type]
+                  lora_r=lora_r, gradient_checkpointing=gradient_checkpointing, mixed_precision=mixed_precision)
+        check_job(job)  # a step's options without train= are named before the target is asked for
         if target is None:
             raise OomMagicError("sizing a job needs target= (a GPU such as 'A10G', '2xA10G' or '24GiB')")
-        job = Job(context=1 if context is None else context, batch=batch, prompt=prompt,
-                  train=train, lora_r=lora_r)  # type: ignore[arg-type]  # check_job names a bad kind
     from ..checkpoints.hub import hub_options
 
     with hub_options(timeout=hub_timeout, token=token):

@@ -2,9 +2,10 @@
 
 ``job_fit("path", Job(context=8192, batch=4), "2xA10G")`` sizes the job (``sizing.parts``) and
 answers: does the busiest device fit, the largest context at this batch and the largest batch at
-this context that would, and how many of that GPU the job needs when it does not. Inference over
-several GPUs is judged per GPU on ``device_map="auto"``'s split (``sizing.device_split``), and the
-GPUs it needs are the fewest whose split fits.
+this context that would (a fine-tune's from how its step's activations grow per sequence), and how
+many of that GPU the job needs when it does not. Inference over several GPUs is judged per GPU on
+``device_map="auto"``'s split (``sizing.device_split``), and the GPUs it needs are the fewest
+whose split fits.
 """
 from __future__ import annotations
 
@@ -65,6 +66,10 @@ def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: in
         if sizing.kv_growth_per_token > 0:
             largest_context = max(job.context + math.floor((room - parts.kv_cache) / sizing.kv_growth_per_token), 0)
         largest_batch = max(room // sizing.kv_per_sequence, 0) if sizing.kv_per_sequence else None
+    elif parts.activations is not None and sizing.activations_per_sequence > 0:
+        # a step's activations grow linearly with the batch (sized at batch and batch + 1); the rest stays
+        room = budget - (needed - parts.activations)
+        largest_batch = max(job.batch + math.floor((room - parts.activations) / sizing.activations_per_sequence), 0)
     return JobFit(checkpoint, job, parts, name, usable, fits, largest_context, largest_batch,
                   None if fits else _gpus_needed(job, sizing, usable), _gpus_tried(sizing))
 
@@ -88,8 +93,8 @@ def _gpus_needed(job: Job, sizing: JobSizing, usable: int) -> int | None:
     parts = sizing.parts
     if not job.train:  # the fewest GPUs whose device_map="auto" split fits
         return split_gpus_needed(sizing.splits, parts.activations, job, usable)
-    gathered = sizing.largest_layer
+    gathered = sizing.largest_layer + (parts.activations or 0)  # each device's own step is not sharded
     for count in range(job.gpus + 1, _MOST_GPUS + 1):
-        if math.ceil(parts.total / count) + gathered <= usable:
+        if math.ceil((parts.total - (parts.activations or 0)) / count) + gathered <= usable:
             return count
     return None

@@ -26,6 +26,8 @@ class Job:
     lora_r: int = 16               # the LoRA rank, for "lora" / "qlora"
     lora_targets: tuple[str, ...] = ()  # LoraConfig.target_modules; empty: peft's default for the model
     gpus: int = 1                  # devices the job is split over (device_map="auto" / FSDP)
+    gradient_checkpointing: bool = False  # activations recomputed per layer in the backward (train only)
+    mixed_precision: str | None = None  # "bf16"/"fp16": float32 weights, autocast compute (train only)
 
     @property
     def prompt_tokens(self) -> int:
@@ -63,12 +65,13 @@ class JobParts(Shown):
 
     weights: int
     kv_cache: int      # at its peak: after the prompt, or at the whole context, whichever is larger
-    activations: int | None  # the transient peak of one forward (and backward); None where not sized
+    activations: int | None  # the transient peak of one forward, or of a training step (probe.TrainStep); None: not sized
     gradients: int
     optimizer: int     # optimizer state on the device (AdamW's step counters live on the host)
     adapters: int      # LoRA parameters
     per_device: tuple[int, ...] = ()  # each device's share when split over several (empty: one device)
     split: DeviceSplit | None = None  # inference over several GPUs: what device_map="auto" puts on each
+    weight_casts: int = 0  # autocast's low-precision weight copies (mixed precision): in activations while live at the peak
 
     @property
     def total(self) -> int:
@@ -88,7 +91,7 @@ class JobFit(Shown):
     usable: int                  # what PyTorch can hold on one of them
     fits: bool
     largest_context: int | None  # at job.batch; None: not bounded by the cache (a fixed state) or training
-    largest_batch: int | None    # at job.context; None where not sized (training: activations unknown)
+    largest_batch: int | None    # at job.context; None where not sized (training: activations not sized)
     gpus_needed: int | None      # of the target GPU, when more than job.gpus; None when it fits or > 64
     gpus_tried: int = 0          # inference: the most GPUs a device_map="auto" split was tried over (0: none)
 

@@ -23,11 +23,28 @@ def parts_dict(parts: JobParts) -> dict[str, int | None]:
 
 def _job_line(fit: JobFit) -> str:
     job = fit.job
-    what = f"fine-tune ({job.train}" + (f", r={job.lora_r})" if job.train in ("lora", "qlora") else ")") \
-        if job.train else "inference"
+    how = [f"r={job.lora_r}"] if job.train in ("lora", "qlora") else []
+    how += [f"{job.mixed_precision} mixed precision"] if job.mixed_precision else []
+    how += ["gradient checkpointing"] if job.gradient_checkpointing else []
+    what = f"fine-tune ({', '.join([job.train, *how])})" if job.train else "inference"
     prompt = "" if job.prompt is None or job.train else f", prompt {job.prompt:,}"
     gpus = f"{job.gpus}x{fit.target}" if job.gpus > 1 else fit.target
     return f"{what} at context {job.context:,}{prompt}, batch {job.batch} on {gpus} ({format_bytes(fit.usable)} usable each)"
+
+
+def _step_line(fit: JobFit) -> str:
+    """What a fine-tune's activations are: one step, how it ran, and what they hold."""
+    job = fit.job
+    line = (f"  activations: one training step of {job.batch} x {job.context:,} tokens, gradient checkpointing "
+            f"{'on' if job.gradient_checkpointing else 'off'}: its forward and backward's peak beyond the gradients "
+            "(with the loss's float32 logits), eager attention (sdpa/flash hold less)")
+    if job.gpus > 1:
+        line += f"; each GPU runs its own batch of {job.batch}"
+    if job.mixed_precision:
+        line += (f"; autocast's {job.mixed_precision} copies of the weights it casts "
+                 f"({format_bytes(fit.parts.weight_casts)}, held until the backward has used them) are counted "
+                 "there as far as they are live at the peak; weights, gradients and AdamW state float32")
+    return line
 
 
 def job_fit_text(fit: JobFit) -> str:
@@ -48,13 +65,15 @@ def job_fit_text(fit: JobFit) -> str:
         lines += _split_lines(split)
     elif fit.parts.per_device:
         each = ", ".join(format_bytes(b) for b in fit.parts.per_device)
-        lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of everything plus the largest layer gathered): {each}")
+        step = " and its own step's activations" if fit.parts.activations else ""
+        lines.append(f"  per GPU (FSDP / ZeRO-3: 1/{fit.job.gpus} of the rest plus the largest layer gathered{step}): {each}")
     if fit.largest_context is not None:
         held = "the weights and the cache alone" if fit.job.prompt is None else \
             f"with the {fit.job.prompt:,}-token prompt's forward"
         lines.append(f"  largest context at batch {fit.job.batch}: {fit.largest_context:,} tokens ({held})")
     if fit.largest_batch is not None:
-        lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}")
+        how = f" (the step sized at batch {fit.job.batch} and {fit.job.batch + 1}, grown linearly)" if fit.job.train else ""
+        lines.append(f"  largest batch at context {fit.job.context:,}: {fit.largest_batch}{how}")
     if fit.gpus_needed is not None:
         lines.append(f"  needs {fit.gpus_needed}x{fit.target}")
     elif not fit.fits and fit.gpus_tried > fit.job.gpus:
@@ -62,6 +81,8 @@ def job_fit_text(fit: JobFit) -> str:
                      "whole decoder layers, their cache and the prompt's forward through them)")
     if fit.parts.activations is None:
         lines.append("  activations (the transient peak of a forward/backward) are not sized for this job")
+    elif fit.job.train:
+        lines.append(_step_line(fit))
     else:
         lines.append("  activations: the prompt's forward as eager attention holds it (batch x heads x prompt² "
                      "scores); an upper bound where sdpa/flash kernels run")
@@ -102,8 +123,10 @@ def job_fit_dict(fit: JobFit) -> dict[str, Any]:
     return {"checkpoint": fit.checkpoint, "fits": fit.fits, "checks": [{
         "target": fit.target, "gpus": job.gpus, "usable": fit.usable, "needed": fit.needed, "fits": fit.fits,
         "job": {"context": job.context, "prompt": job.prompt, "batch": job.batch, "train": job.train,
-                "lora_r": job.lora_r if job.train in ("lora", "qlora") else None},
+                "lora_r": job.lora_r if job.train in ("lora", "qlora") else None,
+                "gradient_checkpointing": job.gradient_checkpointing, "mixed_precision": job.mixed_precision},
         "parts": parts_dict(fit.parts), "per_device": list(fit.parts.per_device), "split": _split_dict(fit.parts.split),
+        "weight_casts": fit.parts.weight_casts,
         "largest_context": fit.largest_context, "largest_batch": fit.largest_batch, "gpus_needed": fit.gpus_needed,
     }]}
 

@@ -3,10 +3,12 @@
 The weights come from the checkpoint's headers (``checkpoints.estimate``: bitsandbytes' nf4 figures
 for QLoRA's base); everything else from the job's meta-device probe: the KV cache at its peak for
 inference; gradients and optimizer state as torch.optim creates them for a fine-tune, only for the
-adapters with LoRA. Over several GPUs a fine-tune is sharded as FSDP / ZeRO-3 does it: each device
-holds 1/N of the parameters, gradients and state, plus the largest layer gathered whole. Inference
-over several GPUs is split as ``from_pretrained(device_map="auto")`` splits it (``sizing.device_split``):
-each GPU holds the modules the map puts there and the cache of its decoder layers.
+adapters with LoRA, and the activations of one training step (``probe.TrainStep``: with or without
+gradient checkpointing; under mixed precision the weights, gradients and AdamW state are float32).
+Over several GPUs a fine-tune is sharded as FSDP / ZeRO-3 does it: each device holds 1/N of the
+parameters, gradients and state, plus the largest layer gathered whole, and the activations of its
+own batch. Inference over several GPUs is split as ``from_pretrained(device_map="auto")`` splits it
+(``sizing.device_split``): each GPU holds the modules the map puts there and the cache of its decoder layers.
 """
 from __future__ import annotations
 
@@ -25,13 +27,14 @@ from ..common.dtypes import QUANTIZED, canonical_dtype
 from ..common.errors import OomMagicError
 from ..records.job import TRAIN_KINDS, Job, JobParts
 from .device_split import MOST_GPUS, device_split
-from .probe import JobProbe, SplitFigures, probe_job
+from .probe import JobProbe, SplitFigures, TrainStep, probe_job
 from .training import gradient_bytes, optimizer_bytes
 
-__all__ = ["JobSizing", "check_job", "size_job"]
+__all__ = ["MIXED_PRECISIONS", "JobSizing", "check_job", "size_job"]
 
 _FLOATS = ("float32", "float16", "bfloat16")
 _OPTIMIZER = {"adamw": "adamw", "sgd": "sgd", "adamw8bit": "adamw8bit", "lora": "adamw", "qlora": "adamw"}
+MIXED_PRECISIONS = ("bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class JobSizing:
     kv_per_sequence: int        # the peak cache divided by the batch (every cache tensor has a batch row)
     largest_layer: int          # bytes of the largest repeated block: what FSDP gathers whole on each device
     splits: tuple[SplitFigures, ...] = ()  # inference sized with usable=: device_map="auto" over job.gpus, then more
+    activations_per_sequence: int = 0  # training: how a step's activations grow per sequence (sized at batch, batch + 1)
 
 
 def check_job(job: Job) -> Job:
@@ -55,7 +59,24 @@ def check_job(job: Job) -> Job:
         raise OomMagicError(f"prompt must be a whole number of at least 1 (or left out), not {job.prompt!r}")
     if job.train is not None and job.train not in TRAIN_KINDS:
         raise OomMagicError(f"unknown training kind {job.train!r}: use one of {', '.join(TRAIN_KINDS)}")
+    _check_train_step(job)
     return job
+
+
+def _check_train_step(job: Job) -> None:
+    """How a fine-tune's step runs: gradient checkpointing and mixed precision apply to training only."""
+    if type(job.gradient_checkpointing) is not bool:
+        raise OomMagicError(f"gradient_checkpointing must be True or False, not {job.gradient_checkpointing!r}")
+    if job.mixed_precision is not None and job.mixed_precision not in MIXED_PRECISIONS:
+        raise OomMagicError(f"unknown mixed precision {job.mixed_precision!r}: use bf16 or fp16 (or leave it out)")
+    for name, given in (("gradient_checkpointing", job.gradient_checkpointing),
+                        ("mixed_precision", job.mixed_precision is not None)):
+        if given and job.train is None:
+            raise OomMagicError(f"{name} applies to a fine-tune: also give train (adamw, sgd, adamw8bit, lora or "
+                                f"qlora), or leave {name} out")
+    if job.mixed_precision is not None and job.train == "qlora":
+        raise OomMagicError("qlora computes in its 4-bit base's compute dtype (dtype=, default bfloat16): "
+                            "leave out mixed_precision")
 
 
 def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None = None,
@@ -80,6 +101,11 @@ def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None 
         if dtype not in _FLOATS:
             raise OomMagicError(f"unknown dtype {dtype!r} for a job: use one of {', '.join(_FLOATS)} "
                                 "(--train qlora for a 4-bit base)")
+    if job.mixed_precision is not None:
+        if dtype not in (None, "float32"):
+            raise OomMagicError(f"mixed precision ({job.mixed_precision}) holds the weights in float32 and computes "
+                                f"in {job.mixed_precision} under autocast: leave out dtype {dtype}")
+        dtype = "float32"
     qlora = job.train == "qlora"
     if quantization is not None:
         quantization = canonical_dtype(quantization)
@@ -96,9 +122,10 @@ def size_job(path_or_id: str | os.PathLike[str], job: Job, *, dtype: str | None 
             estimate = replace(estimate, bytes=estimate.bytes_for(quantization, unquantized_dtype=compute))
         lora = job.train in ("lora", "qlora")
         split = _split_request(job, quantization, usable, estimate.bytes)
+        step = TrainStep(job.gradient_checkpointing, job.mixed_precision) if job.train else None
         probe = probe_job(config, compute, batch=job.batch, prompt=job.prompt_tokens, context=job.context,
                           lora_r=job.lora_r if lora else 0, lora_targets=job.lora_targets if lora else (),
-                          split=split, most_gpus=MOST_GPUS)
+                          split=split, most_gpus=MOST_GPUS, train_step=step)
     return _sizing(estimate.bytes, probe, job)
 
 
@@ -134,20 +161,22 @@ def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:
         adapters = sum(row[3] for row in probe.adapters)
         gradients = gradient_bytes(trained)
         optimizer = optimizer_bytes(trained, _OPTIMIZER[job.train])
+    activations = probe.train_activations if job.train else probe.activations
     per_device: tuple[int, ...] = ()
     if job.gpus > 1 and job.train:
+        # each device runs the step on its own batch of job.batch sequences: its activations are not sharded
         sharded = weights + gradients + optimizer + adapters + kv
-        per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer,) * job.gpus
-    activations = None if job.train else probe.activations
+        per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer + (activations or 0),) * job.gpus
     split = None
     if job.gpus > 1 and not job.train:  # device_map="auto"'s split, where the probe was asked for it
         figures = next((f for f in probe.splits if f.gpus == job.gpus), None)
         split = None if figures is None else device_split(figures, activations)
         per_device = () if split is None else tuple(share.total for share in split.shares)
     parts = JobParts(weights=weights, kv_cache=kv, activations=activations, gradients=gradients, optimizer=optimizer,
-                     adapters=adapters, per_device=per_device, split=split)
+                     adapters=adapters, per_device=per_device, split=split,
+                     weight_casts=probe.weight_casts if job.train else 0)
     return JobSizing(parts, 0.0 if job.train else probe.kv_growth_per_token, kv // job.batch, probe.largest_layer,
-                     probe.splits)
+                     probe.splits, probe.train_per_sequence if job.train else 0)
 
 
 def _split_request(job: Job, quantization: str | None, usable: int | None, weights: int) -> tuple[int, int, int] | None:

@@ -13,6 +13,15 @@ transient activations. With eager attention this equals the PyTorch profiler's m
 a real cpu forward (measured within 0.1%); on the meta device sdpa runs its math path, so the
 figure is eager's: sdpa/flash kernels on a GPU hold less (no batch x heads x prompt² scores).
 The user's kernel never imports torch, transformers or peft for this (``run_child``).
+For a fine-tune (``TrainStep``) the child also runs one training step, forward with labels and
+backward, of the batch at the context, on the same model (LoRA-wrapped when asked) with eager
+attention, turned from meta into fake cpu tensors: shapes only, like meta, but torch.autocast's cpu
+rules apply (meta has none), so mixed precision casts what autocast really casts. It runs at the
+batch and at one more sequence, for how the step grows with the batch. Against the profiler of a
+real cpu step the figure is within 1% in float32 (tests/sizing/test_train_activations.py); under
+bf16 autocast the cpu's matmul adds a weight-sized scratch buffer inside the kernel that this
+count, made of tensors, leaves out (as a GPU's kernel workspaces are).
+The user's kernel never imports torch, transformers or peft for this (``run_child``).
 """
 from __future__ import annotations
 
@@ -23,15 +32,16 @@ from pathlib import Path
 from ..checkpoints.config_size import CONFIG_CHILD_PRELUDE, run_child
 from ..common.errors import OomMagicError
 
-__all__ = ["JobProbe", "SplitFigures", "probe_job"]
+__all__ = ["JobProbe", "SplitFigures", "TrainStep", "probe_job"]
 
-# device_split, run by the child for inference when argv[8:12] (gpus, usable bytes per GPU, the weights'
-# bytes, the most GPUs to try) are given: where from_pretrained(device_map="auto", max_memory={0: usable,
+# device_split, run by the child for inference when a split=[gpus, usable bytes per GPU, the weights'
+# bytes, the most GPUs to try] argument is given: where from_pretrained(device_map="auto", max_memory={0: usable,
 # ...}) puts each module, each GPU's parameters and buffers, and the cache of the decoder layers it holds
 # (cache layer i lives with decoder layer i). For the job's count of GPUs (when more than one), then, when
 # that does not fit, for each larger count until one fits (sizing.device_split.split_fits judges the same).
 _DEVICE_SPLIT = r"""
-split_gpus, split_usable, split_weights, MOST_GPUS = (int(a) for a in (sys.argv[8:12] or ["1", "0", "0", "1"]))
+SPLIT = next((json.loads(a[len("split="):]) for a in sys.argv[8:] if a.startswith("split=")), None)
+split_gpus, split_usable, split_weights, MOST_GPUS = (int(a) for a in (SPLIT or [1, 0, 0, 1]))
 if split_usable and not lora_r:
     import itertools
 
@@ -281,6 +291,83 @@ if lora_r:
     answer["adapters"] = rows(wrapped, only_trainable=True)
     answer["lora_targets"] = sorted(str(t) for t in (wrapped.peft_config["default"].target_modules or []))
 """ + _DEVICE_SPLIT + r"""
+# --- training: one step's forward and backward (run only when the job trains) ---
+TRAIN_STEP = next((json.loads(a[len("train_step="):]) for a in sys.argv[8:] if a.startswith("train_step=")), None)
+
+class StepLive(Live):
+    # the weights' storages were there before the step (t() views of them are saved for the backward, not new)
+    def __init__(self, before):
+        super().__init__()
+        self.held.update({key: [0, 1 << 62] for key in before})
+        self.before, self.casts = before, {}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            source = args[0].untyped_storage()._cdata
+            if source in self.before:  # autocast's low-precision copy of a weight
+                self.casts[source] = out.untyped_storage().nbytes()
+        return out
+
+def as_fake_cpu(module, mode):
+    # the meta model's tensors as fake cpu tensors: shapes only, but autocast's cpu rules apply (meta has none)
+    from torch._subclasses.fake_tensor import FakeTensor
+    made, cpu = {}, torch.device("cpu")
+    def fake(t):
+        if id(t) not in made:  # tied weights stay one tensor
+            made[id(t)] = FakeTensor(mode, t.detach(), cpu)
+        return made[id(t)]
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(fake(p), requires_grad=p.requires_grad)
+                sub._parameters[name] = made[id(p)]
+        for name, b in list(sub._buffers.items()):
+            if b is not None:
+                sub._buffers[name] = fake(b)
+
+def train_step_transient(step):
+    # (peak beyond what the step leaves, at batch and batch + 1; autocast's weight copies) of one step with
+    # labels on the probe's model (LoRA-wrapped when asked), eager attention
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:  # the experts as transformers runs them by default; grouped_mm's fake kernel wants bfloat16, its fallback not
+        import transformers.integrations.moe as moe
+        moe._can_use_grouped_mm = lambda *args: False
+        model.set_experts_implementation("grouped_mm")
+    except Exception:
+        pass
+    mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(step["mixed_precision"])
+    trained = wrapped if lora_r else model
+    trained.train()
+    model.set_attn_implementation("eager")
+    if step["gradient_checkpointing"]:  # transformers' own (use_reentrant=False in 5.x)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    as_fake_cpu(trained, fake_mode)
+    before = {t.untyped_storage()._cdata for t in [*trained.parameters(), *trained.buffers()]}
+    peaks, casts = [], 0
+    with fake_mode:
+        for rows in (batch, batch + 1):
+            ids = torch.zeros(rows, context, dtype=torch.long)
+            live = StepLive(before)
+            with live:
+                with torch.autocast("cpu", dtype=mixed or torch.bfloat16, enabled=mixed is not None):
+                    loss = trained(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)).loss
+                loss.backward()
+                del loss
+            peaks.append(live.peak - live.live)  # what is left: the gradients
+            casts = sum(live.casts.values())
+            for p in trained.parameters():
+                p.grad = None
+    return peaks, casts
+
+if TRAIN_STEP is not None:
+    try:
+        (at_batch, one_more), casts = train_step_transient(TRAIN_STEP)
+        answer.update(train_activations=at_batch, train_per_sequence=one_more - at_batch, weight_casts=casts)
+    except Exception as exc:
+        answer["train_unsized"] = first(exc)
 print(json.dumps(answer))
 """
 
@@ -299,6 +386,9 @@ class JobProbe:
     largest_layer: int     # bytes of the largest repeated block (what FSDP gathers at once)
     encoder_decoder: bool
     splits: tuple[SplitFigures, ...] = ()  # inference over GPUs: device_map="auto" for the job's count, then more
+    train_activations: int | None = None  # one training step's peak beyond what it leaves (see train_step); None: not run
+    train_per_sequence: int = 0  # how much that peak grows with one more sequence in the batch
+    weight_casts: int = 0  # autocast's low-precision weight copies (mixed precision); in train_activations while live
 
 
 @dataclass(frozen=True)
@@ -319,23 +409,27 @@ _cache: dict[tuple, JobProbe] = {}
 
 def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, context: int,
               lora_r: int = 0, lora_targets: tuple[str, ...] = (), split: tuple[int, int, int] | None = None,
-              most_gpus: int = 64) -> JobProbe:
+              most_gpus: int = 64, train_step: TrainStep | None = None) -> JobProbe:
     """Run the job's forwards on the meta device from ``config`` (a config.json) and return what it held.
 
     ``split`` (inference: GPUs, usable bytes on each, the weights' bytes) also asks where
     ``device_map="auto"`` puts the model over that many GPUs (when more than one) and, when that
     does not fit, over each larger count up to ``most_gpus`` until one fits (``JobProbe.splits``).
-    Raises OomMagicError with one line when transformers or peft cannot build or run the model,
-    or the child runs past its time or memory bound.
+    ``train_step``: also run one training step of ``batch`` sequences of ``context`` tokens (see
+    ``TrainStep``) and report its activations. Raises OomMagicError with one line when transformers
+    or peft cannot build or run the model, or the child runs past its time or memory bound.
     """
     stat = config.stat()
     key = (str(config.resolve()), stat.st_mtime_ns, dtype, batch, prompt, context, lora_r, lora_targets, split,
-           most_gpus)
+           most_gpus, train_step)
     if key not in _cache:
         args = [str(config.parent), dtype or "", str(batch), str(prompt), str(context), str(lora_r),
                 json.dumps(list(lora_targets))]
         if split is not None:
-            args += [*(str(n) for n in split), str(most_gpus)]
+            args.append("split=" + json.dumps([*split, most_gpus]))
+        if train_step is not None:
+            args.append("train_step=" + json.dumps({"gradient_checkpointing": train_step.gradient_checkpointing,
+                                                    "mixed_precision": train_step.mixed_precision}))
         answer = run_child(_CHILD, args, str(config))
         for problem, what in (("unreadable", "transformers cannot read it"),
                               ("unbuildable", "transformers cannot build it"),
@@ -350,7 +444,7 @@ def probe_job(config: Path, dtype: str | None, *, batch: int, prompt: int, conte
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["parameters"]),
             tuple((str(n), str(d), int(e), int(b)) for n, d, e, b in answer["adapters"]),
             tuple(str(t) for t in answer.get("lora_targets", ())), int(answer["largest_layer"]),
-            bool(answer["encoder_decoder"]), _splits(answer.get("splits", ())))
+            bool(answer["encoder_decoder"]), _splits(answer.get("splits", ())), *_train_step_answer(answer, train_step))
     return _cache[key]
 
 
@@ -360,3 +454,27 @@ def _splits(rows: list[dict]) -> tuple[SplitFigures, ...]:
                               tuple(float(g) for g in row["kv_growth_per_token"]),
                               tuple(tuple(int(i) for i in held) for held in row["layers"]), int(row["spilled"]),
                               tuple(str(m) for m in row["spilled_modules"])) for row in rows)
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    """How one training step runs, for its activations: labels = the inputs, the loss transformers computes.
+
+    A step's activations are its peak live bytes during the forward and backward, above what existed
+    before the forward (weights, optimizer state) and what the step leaves (the gradients): with the
+    gradients and the state, the step's whole peak. They include the loss's float32 logits
+    (batch x context x vocab, upcast by transformers' loss), eager attention's scores, and under
+    ``mixed_precision`` autocast's low-precision copies of the weights it casts, as far as they are
+    still live at the peak (the backward frees each once it has used it; the peak is often late in
+    the backward, when the gradients are nearly all there).
+    """
+
+    gradient_checkpointing: bool = False  # transformers' own: each layer's activations recomputed in the backward
+    mixed_precision: str | None = None    # "bf16"/"fp16": float32 weights under torch.autocast
+
+
+def _train_step_answer(answer: dict, train_step: TrainStep | None) -> tuple[int | None, int, int]:
+    # a model whose step cannot run on fake tensors keeps its other parts; its activations are "not sized"
+    if train_step is None or "train_unsized" in answer:
+        return None, 0, 0
+    return int(answer["train_activations"]), int(answer["train_per_sequence"]), int(answer["weight_casts"])

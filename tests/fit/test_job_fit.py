@@ -80,6 +80,9 @@ def test_lora_over_two_gpus_reports_adapters_and_a_share_per_gpu(llama):
     assert (fit.parts.adapters, fit.parts.gradients, fit.parts.optimizer) == (adapters, adapters, 2 * adapters)
     assert fit.parts.kv_cache == 0 and len(fit.parts.per_device) == 2
     assert fit.parts.per_device[0] > fit.parts.total // 2  # plus the largest layer, gathered whole
+    # each GPU runs its own step: its activations are whole on each, not halved
+    assert fit.parts.activations is not None and fit.parts.per_device[0] - fit.parts.activations > \
+        (fit.parts.total - fit.parts.activations) // 2
 
 
 @pytest.mark.parametrize("args,message", [
@@ -133,3 +136,71 @@ def test_a_4bit_inference_job_holds_transformers_nf4_weights_and_a_bfloat16_cach
     assert json.loads(done.stdout)["checks"][0]["parts"]["kv_cache"] == fit.parts.kv_cache
     refused = _fit(str(folder), "--train", "adamw", "--target", "T4", "--quantization", "nf4")
     assert refused.returncode == 2 and "--train qlora" in refused.stderr and len(refused.stderr.splitlines()) == 1
+
+
+def test_a_fine_tunes_largest_batch_is_the_last_that_fits_and_its_step_is_the_real_ones(tmp_path):
+    # the step is sized at batch 2 and 3; the largest batch extrapolates that growth, held here to the
+    # job sized again at that batch and one more, and to a real cpu step's profiler peak at that batch
+    from oom_magic.fit.job_fit import _verdict
+    from oom_magic.records.job import Job
+    from oom_magic.sizing.parts import size_job
+    from tests.sizing.test_train_activations import _enable_checkpointing, _real_step
+
+    model = build("llama-gqa")
+    model.save_pretrained(tmp_path)
+    job = Job(context=64, batch=2, train="adamw", gradient_checkpointing=True)
+    sizing = size_job(tmp_path, job)
+    usable = sizing.parts.total + 4 * sizing.activations_per_sequence + 1000  # room for four more sequences
+    largest = _verdict(str(tmp_path), job, sizing, "test budget", usable).largest_batch
+    assert largest == 6
+    at_largest = size_job(tmp_path, Job(context=64, batch=largest, train="adamw", gradient_checkpointing=True))
+    one_more = size_job(tmp_path, Job(context=64, batch=largest + 1, train="adamw", gradient_checkpointing=True))
+    assert at_largest.parts.total <= usable < one_more.parts.total
+    model.train().set_attn_implementation("eager")
+    _enable_checkpointing(model)
+    real, _ = _real_step(model, batch=largest)
+    assert at_largest.parts.activations is not None
+    assert abs(at_largest.parts.activations - real) <= 0.15 * real
+
+
+def test_a_mixed_precision_checkpointed_fine_tune_from_the_command_says_which_activations(llama):
+    folder, _ = llama
+    args = [str(folder), "--train", "adamw", "--context", "64", "--batch", "2", "--target", "T4",
+            "--gradient-checkpointing", "--mixed-precision", "bf16"]
+    done = _fit(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    check = json.loads(done.stdout)["checks"][0]
+    fit = oom_magic.fit_check(folder, target="T4", context=64, batch=2, train="adamw", gradient_checkpointing=True,
+                              mixed_precision="bf16")
+    assert isinstance(fit, JobFit)
+    assert check["job"]["gradient_checkpointing"] is True and check["job"]["mixed_precision"] == "bf16"
+    assert check["parts"]["activations"] == fit.parts.activations > 0
+    assert check["weight_casts"] == fit.parts.weight_casts > 0
+    assert check["parts"]["weights"] == estimate_checkpoint(folder, "float32").bytes  # float32 master weights
+    assert check["largest_batch"] == fit.largest_batch > 2
+    text = _fit(*args).stdout
+    assert "fine-tune (adamw, bf16 mixed precision, gradient checkpointing)" in text
+    assert "one training step of 2 x 64 tokens, gradient checkpointing on" in text and "autocast's bf16 copies" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--context", "64", "--gradient-checkpointing", "--target", "T4"], "size a fine-tune's step: add --train"),
+    (["--context", "64", "--mixed-precision", "bf16", "--target", "T4"], "size a fine-tune's step: add --train"),
+    (["--train", "qlora", "--mixed-precision", "bf16", "--target", "T4"], "leave out mixed_precision"),
+    (["--train", "adamw", "--mixed-precision", "bf16", "--dtype", "bfloat16", "--target", "T4"],
+     "holds the weights in float32"),
+    (["--train", "adamw", "--mixed-precision", "fp8", "--target", "T4"], "invalid choice: 'fp8'"),
+])
+def test_a_steps_options_out_of_place_are_one_line_and_exit_2(llama, args, message):
+    done = _fit(str(llama[0]), *args)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(context=8, gradient_checkpointing=True), "gradient_checkpointing applies to a fine-tune"),
+    (dict(train="adamw", mixed_precision="fp8"), "unknown mixed precision 'fp8': use bf16 or fp16"),
+    (dict(train="adamw", gradient_checkpointing="yes"), "gradient_checkpointing must be True or False"),
+])
+def test_fit_check_names_the_fix_for_a_steps_options(llama, kwargs, message):
+    with pytest.raises(OomMagicError, match=message):
+        oom_magic.fit_check(llama[0], target="T4", **kwargs)
