@@ -26,6 +26,8 @@ class Job:
     lora_r: int = 16               # the LoRA rank, for "lora" / "qlora"
     lora_targets: tuple[str, ...] = ()  # LoraConfig.target_modules; empty: peft's default for the model
     gpus: int = 1                  # devices the job is split over (device_map="auto" / FSDP)
+    gradient_checkpointing: bool = False  # activations recomputed per layer in the backward (train only)
+    mixed_precision: str | None = None  # "bf16"/"fp16": float32 weights, autocast compute (train only)
 
     @property
     def prompt_tokens(self) -> int:
