@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from ..common.sizes import shorten
 from ..records.diagnosis import RetryVerdict
-from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
+from ..records.guard import (AllocatorSetting, ContextRoom, GiveBack, GuardReport, QuietGuardReport, Rehearsal,
+                             VariableUse)
 from ..records.hub import HubRead
 from ..records.llama_cpp import LlamaCppLoad
 from ..records.shown import renders
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
     from ..records.preflight import FitCheck, Lint, Preflight
     from ..records.target import Target
 
-__all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
+__all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "context_room_line", "diagnosis_html", "diagnosis_text",
            "give_back_line", "guard_report_html", "need_phrase", "guard_report_text", "lint_text", "option_code", "option_rows",
            "preflight_html", "preflight_text", "quiet_summary_html", "quiet_summary_text", "refusal_line",
            "rehearsal_line", "retry_line", "retry_text", "run_summary_text", "script_wording", "short_message",
@@ -404,6 +405,13 @@ def rehearsal_line(rehearsal: Rehearsal, *, before: bool = False) -> str:
     return f"{head}{why}; the load itself {'runs' if before else 'ran'} uncapped"
 
 
+def context_room_line(room: ContextRoom) -> str:
+    """'room for 12,345 tokens of KV cache at batch 1 (bfloat16) now: 1.50 GiB available ÷ 128 KiB per token'."""
+    free_word = "available" if room.device == "cpu" else "free"
+    return (f"room for {room.tokens:,} tokens of KV cache at batch {room.batch} ({room.dtype}) now: "
+            f"{format_bytes(room.free)} {free_word} ÷ {format_bytes(round(room.per_token))} per token")
+
+
 def _variable_line(v: VariableUse) -> str:
     where = " + ".join(f"{format_bytes(b)} on {d}" for d, b in v.by_device) or "0 B"
     dtype = f" {v.dtype}" if v.dtype else ""
@@ -444,6 +452,8 @@ def _summary_text(report: GuardReport) -> str:
     lines.append(f"  peak: {r.peak.note}")
     free_word = "available" if r.device == "cpu" else "free"
     lines.append(f"  {r.device}: {format_bytes(r.after.free)} {free_word} now")
+    if r.context_room is not None:
+        lines.append(f"  {context_room_line(r.context_room)}")
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(map(one_line, lines))  # outside text stays on its line
 
@@ -537,4 +547,5 @@ def quiet_summary_html(report: GuardReport) -> str:
 
 
 renders(GuardReport, guard_report_text, guard_report_html, pretty=run_summary_text)
+renders(ContextRoom, context_room_line)
 renders(QuietGuardReport, guard_report_text, quiet_summary_html, pretty=quiet_summary_text)
