@@ -213,7 +213,8 @@ def _job_lines(check: FitCheck) -> list[str]:
         return []
     lines = [f"  job: {job_sum(fit)}"]
     if fit.largest_context is not None:
-        lines.append(f"  largest context at batch {fit.job.batch} within this budget: {fit.largest_context:,} tokens")
+        lines.append(f"  largest context at batch {fit.job.batch} in the {format_bytes(fit.usable)} budget below: "
+                     f"{fit.largest_context:,} tokens")
     return lines
 
 
