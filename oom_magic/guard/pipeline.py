@@ -37,7 +37,7 @@ from .recover import at_failure, diagnose_failure, give_back
 from .rehearsal import apply_cap, force_restore, plan_rehearsal, restore_failed
 from .printer import GuardPrinter, refusal_message, short_exception
 from .oom import is_out_of_memory, parse_oom_message
-from ..fit.context_room import context_room
+from ..fit.context_room import RoomProbe
 from ..fit.preflight import Preflight, parse_headroom
 from ..records.guard import (AllocatorSetting, Attempt, ContextRoom, GiveBack, GuardReport, MadeIn, Outcome, PeakReading, Rehearsal,
                             VariableUse)
@@ -113,6 +113,7 @@ class _Run:
     attempts: list[Attempt] = field(default_factory=list)
     succeeded: tuple[AttemptStart, float] | None = None  # the successful attempt's start and wall time
     error_type: type[BaseException] = RuntimeError  # the out-of-memory error's type, for the short exception
+    room: RoomProbe | None = None  # the loaded model's KV growth per token, for the room after the load
 
     @property
     def capped_as(self) -> Target | None:
@@ -279,6 +280,12 @@ class GuardedLoad:
         if self.strict and preflight is not None and preflight.will_not_fit:
             raise GuardRefused(refusal_message(preflight))
         run = self._run = _Run(device, torch, cleaned, allocator, preflight, notes)
+        try:
+            run.room = RoomProbe(preflight)
+            if not device.startswith("cpu"):  # sized while a GPU load runs; on the cpu its child would compete for RAM
+                run.room.start()
+        except Exception as error:  # the room after the load is a figure, never a reason for the cell to fail
+            notes.append(f"could not start sizing the KV cache's room: {error}")
         run.history = self._start_history(run)
         if run.history:  # --snapshot that records nothing says so before the cell, not only in the report
             self.printer.history(run.history)
@@ -507,7 +514,7 @@ class GuardedLoad:
             run.notes.append(f"could not measure the new variables: {error}")
         room: ContextRoom | None = None
         try:  # the loaded model's room for KV cache now (its sizing runs in a child, never torch here)
-            room = context_room(run.preflight, after.free, run.device)
+            room = run.room.room(after.free, run.device) if run.room is not None else None
         except Exception as error:
             run.notes.append(f"could not size the KV cache's room after the load: {error}")
         return self._report("ok", start.reading, after, seconds, peak, delta=delta(start.reading, after, run.device),

@@ -12,7 +12,9 @@ import pytest
 from IPython.core.error import UsageError
 
 from oom_magic.checkpoints.estimate import estimate_checkpoint
+from oom_magic.fit.context_room import RoomProbe, context_room
 from oom_magic.fit.job_fit import job_fit
+from oom_magic.fit.preflight import preflight_check
 from oom_magic.records.job import Job
 from tests.sizing.families import build, cache_storage_bytes
 
@@ -175,6 +177,18 @@ def test_the_room_is_at_the_jobs_batch(shell):
     model = shell.user_ns["model"]
     assert room.batch == 3 and room.per_token == (_real_cache(model, 68, 3) - _real_cache(model, 4, 3)) / 64
     assert room.tokens == report.after.free // room.per_token
+
+
+def test_the_room_sized_in_a_thread_while_the_cell_runs_is_the_same(shell, llama):
+    # the guard starts it before a load to a GPU; here the same probe, started and then waited for
+    preflight = preflight_check(LOAD, {"path": str(llama)})
+    probe = RoomProbe(preflight)
+    probe.start()
+    room = probe.room(10**9, "cuda:0")
+    assert not probe._thread.is_alive() and room == context_room(preflight, 10**9, "cuda:0")
+    model = build("llama-gqa")
+    assert room.per_token == (_real_cache(model, 65) - _real_cache(model, 1)) / 64
+    assert room.tokens == 10**9 // room.per_token and room.device == "cuda:0"
 
 
 def test_without_a_transformers_load_there_is_no_room_line(shell):
