@@ -15,7 +15,6 @@ import threading
 
 from ..checkpoints.files import find_checkpoint_files, resolve_checkpoint, uncached_hub_id
 from ..checkpoints.hub import hub_options
-from ..common.errors import OomMagicError
 from ..records.guard import ContextRoom
 from ..records.job import Job
 from ..records.preflight import FitCheck, Preflight

@@ -47,6 +47,12 @@ def with_job(check: FitCheck) -> FitCheck:
     if len(check.split) > 1:
         return replace(check, job_unsized="device_map spreads the model over several places; a job is checked on "
                                           "one device (size it with --target GPU)")
+    quantized = request.quantization
+    if job.train == "lora" and quantized in ("nf4", "fp4"):
+        job = replace(job, train="qlora")  # LoRA on a 4-bit load is QLoRA: its base is sized as bitsandbytes holds it
+    elif job.train in ("adamw", "sgd", "adamw8bit", "lora") and quantized is not None:
+        return replace(check, job_unsized=f"a fine-tune ({job.train}) of a {quantized} load is not sized (--train qlora "
+                                          "sizes LoRA on a 4-bit base)")
     dtype, quantization = job_dtypes(check, bool(job.train))
     try:
         with hub_options(token=request.token):  # an uncached hub model: its config, read as the weights' headers were

@@ -153,3 +153,43 @@ def test_bad_flags_get_the_commands_one_line_messages(flags, message):
     with pytest.raises(OomMagicError) as info:
         job_overrides(**flags)
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- the job on a quantized load, sized
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory):
+    pytest.importorskip("torch")
+    from tests.sizing.families import build
+
+    folder = tmp_path_factory.mktemp("cell_job") / "llama"
+    build("llama-gqa").save_pretrained(folder)
+    return folder
+
+
+FOUR_BIT = ("model = AutoModelForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig("
+            "load_in_4bit=True, bnb_4bit_quant_type='nf4'))\n")
+
+
+def test_lora_flags_on_a_4bit_load_are_sized_as_qlora_like_the_command(llama):
+    pytest.importorskip("peft")
+    from oom_magic.fit.job_fit import job_fit
+    from oom_magic.fit.preflight import preflight_check
+    from oom_magic.render.fit import fit_dict
+
+    preflight = preflight_check(FOUR_BIT, {"path": str(llama)}, job=job_overrides(train="lora", lora_r=4))
+    (check,) = preflight.checks
+    assert check.call.job.train == "lora" and check.job.job.train == "qlora"
+    assert check.job.parts == job_fit(llama, Job(context=1, train="qlora", lora_r=4), "T4").parts
+    assert fit_dict(preflight)["checks"][0]["job"]["parts"]["adapters"] == check.job.parts.adapters > 0
+
+
+def test_a_full_fine_tune_of_a_quantized_load_is_not_sized_and_says_why(llama):
+    from oom_magic.fit.preflight import preflight_check
+
+    (check,) = preflight_check(FOUR_BIT, {"path": str(llama)}, job=job_overrides(train="adamw")).checks
+    assert check.job is None and check.verdict == "fits"  # the weights' verdict stands
+    assert check.job_unsized == "a fine-tune (adamw) of a nf4 load is not sized (--train qlora sizes LoRA on a 4-bit base)"
+    assert "job not sized: a fine-tune (adamw)" in str(preflight_check(FOUR_BIT, {"path": str(llama)},
+                                                                     job=job_overrides(train="adamw")))
