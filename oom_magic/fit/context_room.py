@@ -6,8 +6,8 @@ the device's free memory after the load. The growth per token is the job sizing'
 in the user's process): at the cell's job's batch for inference, which is the probe the preflight
 already ran (kept, so not run again), else at batch 1. A cache of fixed size (a state-space model's
 state) has no growth per token, so no room figure. ``RoomProbe.start`` sizes it in a thread while the
-cell runs (the guard does so for loads to a GPU; on the cpu the child's memory would compete with the
-load, so it runs after).
+cell runs (the guard does so for loads to a CUDA GPU; on the cpu or mps, whose memory is the RAM, the
+child's memory would compete with the load, so it runs after).
 """
 from __future__ import annotations
 

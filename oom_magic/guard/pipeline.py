@@ -282,7 +282,7 @@ class GuardedLoad:
         run = self._run = _Run(device, torch, cleaned, allocator, preflight, notes)
         try:
             run.room = RoomProbe(preflight)
-            if not device.startswith("cpu"):  # sized while a GPU load runs; on the cpu its child would compete for RAM
+            if device.startswith("cuda"):  # sized while a GPU load runs; on cpu or mps its child would compete for RAM
                 run.room.start()
         except Exception as error:  # the room after the load is a figure, never a reason for the cell to fail
             notes.append(f"could not start sizing the KV cache's room: {error}")
