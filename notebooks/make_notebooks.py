@@ -160,8 +160,9 @@ def quickstart() -> nbformat.NotebookNode:
 
         `%%guardload` reads the cell before running it: it frees stale memory, estimates what the
         checkpoint needs on the target device and says whether it fits. After the cell it reports
-        what the load cost; on out-of-memory it gives back what the failed load left and says what
-        to change, with this model's sizes.
+        what the load cost, and how many tokens of KV cache the loaded model has room for now; on
+        out-of-memory it gives back what the failed load left and says what to change, with this
+        model's sizes.
         """),
         code("load", """
         %%guardload
@@ -252,6 +253,19 @@ def quickstart() -> nbformat.NotebookNode:
         import oom_magic
 
         oom_magic.fit_check(MODEL_DIR, target="T4", dtype="bfloat16")
+        """),
+        md("""
+        ## Fit for the job
+
+        Weights that load can still run out of memory at the first long `generate`. With
+        `context=` (tokens the KV cache holds: prompt + generated) and `batch=`, the check sizes
+        the job: the KV cache transformers keeps for this model, the prompt's forward, and the
+        longest context and largest batch that fit. In a `%%guardload` cell the same comes from
+        the cell itself (`model.generate(..., max_new_tokens=N)`, `TrainingArguments`,
+        `LoraConfig`) or from `--context N --batch B`.
+        """),
+        code("fit-job", """
+        oom_magic.fit_check(MODEL_DIR, target="T4", dtype="bfloat16", context=512, batch=8)
         """),
         md("""
         ## Your turn

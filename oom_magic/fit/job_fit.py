@@ -20,7 +20,7 @@ from ..sizing.device_split import (MOST_GPUS, split_fits, split_gpus_needed, spl
 from ..sizing.parts import JobSizing, check_job, size_job
 from .targets import parse_target
 
-__all__ = ["job_fit", "split_target"]
+__all__ = ["job_fit", "sized_job_fit", "split_target"]
 
 _COUNT = re.compile(r"^\s*(\d+)\s*[x×]\s*(\S.*)$", re.IGNORECASE)
 _MOST_GPUS = MOST_GPUS
@@ -48,6 +48,12 @@ def job_fit(path_or_id: str | os.PathLike[str], job: Job, target: str, *, dtype:
     usable = parse_target(name).usable
     sizing = size_job(path_or_id, job, dtype=dtype, quantization=quantization, usable=usable)
     return _verdict(str(path_or_id), job, sizing, name, usable)
+
+
+def sized_job_fit(checkpoint: str, job: Job, sizing: JobSizing, where: str, budget: int) -> JobFit:
+    """The verdict of a job already sized (``size_job``) against ``budget`` bytes of one device named ``where``:
+    a cell's load checked against this machine's free memory, or its ``--target``, after headroom."""
+    return _verdict(checkpoint, job, sizing, where, budget)
 
 
 def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: int) -> JobFit:

@@ -3,8 +3,8 @@
 The cell is parsed with ``ast``: ``from_pretrained``, ``torch.load`` and safetensors'
 ``load_file`` calls are found in statement order, their arguments resolved by ``cell_values``
 (the checkpoint, dtype, quantization, where the weights land, max_memory), and later
-``.to(...)`` / ``.cuda()`` / ``.half()`` calls on the result are followed. Nothing is imported or
-executed.
+``.to(...)`` / ``.cuda()`` / ``.half()`` calls on the result are followed; the job the model is loaded
+for (generate's lengths, a fine-tune's settings) is read by ``cell_job``. Nothing is imported or executed.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator, Mapping
 
+from .cell_job import JobReader, attach_job
 from .cell_values import DeviceValue, DtypeValue, Opaque, QuantValue, Resolver, Symbol, Unknown, float_dtype
 from ..common.errors import OomMagicError
 from ..records.request import LoadKind, LoadRequest
@@ -173,14 +174,17 @@ def scan_cell(cell: str, namespace: Mapping[str, Any] | None) -> tuple[tuple[Loa
     resolver = Resolver(namespace if namespace is not None else {})
     parents = _parents(tree)
     found: list[tuple[LoadRequest, ast.Call]] = []
+    job = JobReader(resolver)
     for stmt in _statements(tree.body):
-        for node in sorted(_own_calls(stmt), key=lambda n: (n.lineno, n.col_offset)):
+        calls = sorted(_own_calls(stmt), key=lambda n: (n.lineno, n.col_offset))
+        for node in calls:
             kind = _kind_of(resolver, node)
             if kind is not None:
                 found.append((_describe(kind, node, stmt, resolver, parents), node))
         _track_moves(stmt, resolver, found, parents)
+        job.see(calls, [call for call, _ in found])
         resolver.bind(stmt)
-    return tuple(call for call, _ in found), tuple(dict.fromkeys(resolver.skipped))
+    return attach_job([call for call, _ in found], job), tuple(dict.fromkeys(resolver.skipped))
 
 
 def _assigned_name(node: ast.AST, stmt: ast.stmt, parents: dict[int, ast.AST]) -> str | None:

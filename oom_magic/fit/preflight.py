@@ -22,6 +22,8 @@ from .options import device_index, fit_options
 from ..common.dtypes import FLOAT_BYTES
 from ..common.errors import OomMagicError
 from ..device.host import cuda_process_cap, disk_free, ram_total, usable_ram
+from .cell_job import with_overrides
+from .job_check import with_job
 from .lints import load_lints
 from .load_calls import device_text, find_load_calls, scan_cell
 from .offload import check_offload
@@ -29,9 +31,8 @@ from ..records.preflight import FitCheck, Lint, LoadRequest, OffloadCheck, Prefl
 from ..common.sizes import parse_headroom
 from .targets import Target, parse_target
 
-__all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadRequest", "Preflight",
-           "check_requests", "cuda_process_cap", "find_load_calls", "load_target", "parse_headroom", "preflight_check", "read_checkpoint_keys",
-           "usable_ram"]
+__all__ = ["CUDA_CONTEXT_BYTES", "CheckpointKeys", "FitCheck", "Lint", "LoadRequest", "Preflight", "check_requests",
+           "cuda_process_cap", "find_load_calls", "load_target", "parse_headroom", "preflight_check", "read_checkpoint_keys", "usable_ram"]
 
 # What a CUDA context costs on the device before PyTorch allocates anything: 300-600 MiB with
 # lazy module loading (CUDA 11.7+), more with eager loading. An estimate, said as one.
@@ -169,7 +170,7 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
                     free_bytes: int | None = None, total_bytes: int | None = None,
                     ram_bytes: int | None = None, disk_bytes: int | None = None,
                     headroom: str | int | None = None, nvml: Any = None,
-                    target: str | Target | None = None) -> Preflight:
+                    target: str | Target | None = None, job: Mapping[str, Any] | None = None) -> Preflight:
     """Say what a cell will load, whether it fits where it goes, and what to fix — without running it.
 
     ``device`` is the guard's device (used when a call does not say where it loads). Overrides,
@@ -180,7 +181,8 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
     usable memory instead of this machine's: a load placed on one device here is checked as if its
     weights went to the target GPU, ``device_map="auto"`` as the target plus this machine's RAM and
     disk, and the options are those that fit there. Raises OomMagicError for a bad headroom or
-    target; a cell that does not parse gives a note, not an error.
+    target; a cell that does not parse gives a note, not an error. ``job`` (``cell_job.job_overrides``:
+    context, batch, prompt, train, lora_r) sets or overrides the job the cell's load is sized for.
     """
     parse_headroom(headroom, 0)  # a bad spelling fails now, not after reading files
     rehearsed = parse_target(target) if target is not None else None
@@ -188,10 +190,9 @@ def preflight_check(cell: str, namespace: Mapping[str, Any] | None = None, *, de
         calls, skipped = scan_cell(cell, namespace)
     except OomMagicError as exc:
         return Preflight(device, (), (), (), (str(exc),))
-    notes = list(skipped)
-    if not calls:
-        notes.append("no load call found (from_pretrained, pipeline, vllm.LLM, llama_cpp.Llama, torch.load, "
-                     "load_file): nothing to size")
+    calls, unplaced = with_overrides(calls, job or {})
+    notes = list(skipped) + ([unplaced] if unplaced else []) + ([] if calls else [
+        "no load call found (from_pretrained, pipeline, vllm.LLM, llama_cpp.Llama, torch.load, load_file): nothing to size"])
     # --target: the cell still runs here, so each load is checked here too (runs_here stays True).
     requests = tuple(replace(call, target=rehearsed) for call in calls) if rehearsed is not None else calls
     return check_requests(requests, device=device, free_bytes=free_bytes, total_bytes=total_bytes,
@@ -220,9 +221,10 @@ def check_requests(requests: tuple[LoadRequest, ...], *, device: str | None = No
     lints: list[Lint] = []
     for request in requests:
         check, request_lints = _check_call(request, device, budgets_for(request.target))
+        check = with_job(check)  # the job the load is for, against the same budget
         if request.target is not None and request.runs_here and check.target is not None:
             local, _ = _check_call(request, device, budgets_for(None))
-            check = replace(check, local=local)
+            check = replace(check, local=with_job(local))
         checks.append(check)
         lints += request_lints
         if request.target is not None and check.target is not None and not check.device.startswith(("cuda", "auto")):
@@ -295,8 +297,7 @@ def _check_load(call: LoadRequest, guard_device: str | None, budgets: _Budgets) 
     if call.kind == "llama_cpp" or call.gguf_file is not None:
         return _check_gguf(call, where, budgets), []
     try:
-        # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask
-        # transformers' own rules (a meta model, built only when such a size is asked for).
+        # A from_pretrained cell runs transformers anyway: its quantized / float16 sizes may ask its own rules.
         with hub_options(token=call.token):  # the call's own token= wins over HF_TOKEN and the saved login
             estimate = _estimate(call.checkpoint, follow_transformers=call.kind in _HF_LOADS,
                                  revision=call.revision)
@@ -488,7 +489,6 @@ def _unknown(call: LoadRequest, where: str | None, reason: str, estimate: Any = 
                     files=len(estimate.files) if estimate is not None else 0, estimate=estimate,
                     optimizer_elements=getattr(estimate, "optimizer_elements", 0),
                     optimizer_bytes=getattr(estimate, "optimizer_bytes", 0))
-
 
 
 def _check_vllm(call: LoadRequest, estimate: Any, budgets: _Budgets) -> FitCheck:

@@ -37,8 +37,9 @@ from .recover import at_failure, diagnose_failure, give_back
 from .rehearsal import apply_cap, force_restore, plan_rehearsal, restore_failed
 from .printer import GuardPrinter, refusal_message, short_exception
 from .oom import is_out_of_memory, parse_oom_message
+from ..fit.context_room import RoomProbe
 from ..fit.preflight import Preflight, parse_headroom
-from ..records.guard import (AllocatorSetting, Attempt, GiveBack, GuardReport, MadeIn, Outcome, PeakReading, Rehearsal,
+from ..records.guard import (AllocatorSetting, Attempt, ContextRoom, GiveBack, GuardReport, MadeIn, Outcome, PeakReading, Rehearsal,
                             VariableUse)
 from ..heap.roots import current_shell
 from ..fit.targets import Target, cap_released, hold_cap, parse_target
@@ -112,6 +113,7 @@ class _Run:
     attempts: list[Attempt] = field(default_factory=list)
     succeeded: tuple[AttemptStart, float] | None = None  # the successful attempt's start and wall time
     error_type: type[BaseException] = RuntimeError  # the out-of-memory error's type, for the short exception
+    room: RoomProbe | None = None  # the loaded model's KV growth per token, for the room after the load
 
     @property
     def capped_as(self) -> Target | None:
@@ -278,6 +280,12 @@ class GuardedLoad:
         if self.strict and preflight is not None and preflight.will_not_fit:
             raise GuardRefused(refusal_message(preflight))
         run = self._run = _Run(device, torch, cleaned, allocator, preflight, notes)
+        try:
+            run.room = RoomProbe(preflight)
+            if device.startswith("cuda"):  # sized while a GPU load runs; on cpu or mps its child would compete for RAM
+                run.room.start()
+        except Exception as error:  # the room after the load is a figure, never a reason for the cell to fail
+            notes.append(f"could not start sizing the KV cache's room: {error}")
         run.history = self._start_history(run)
         if run.history:  # --snapshot that records nothing says so before the cell, not only in the report
             self.printer.history(run.history)
@@ -504,19 +512,24 @@ class GuardedLoad:
             variables = changed_variables(self.namespace, run.ids_before, before, by_variable)
         except Exception as error:  # the load succeeded: a failed measurement must not turn it into an error
             run.notes.append(f"could not measure the new variables: {error}")
+        room: ContextRoom | None = None
+        try:  # the loaded model's room for KV cache now (its sizing runs in a child, never torch here)
+            room = run.room.room(after.free, run.device) if run.room is not None else None
+        except Exception as error:
+            run.notes.append(f"could not size the KV cache's room after the load: {error}")
         return self._report("ok", start.reading, after, seconds, peak, delta=delta(start.reading, after, run.device),
-                            tensor_delta=tensor_delta, variables=variables)
+                            tensor_delta=tensor_delta, variables=variables, context_room=room)
 
     def _report(self, outcome: Outcome, before: DeviceReading, after: DeviceReading, seconds: float,
                 peak: PeakReading, *, delta: int | None = None, tensor_delta: int | None = None,
-                variables: tuple[VariableUse, ...] = ()) -> GuardReport:
+                variables: tuple[VariableUse, ...] = (), context_room: ContextRoom | None = None) -> GuardReport:
         """The one place a GuardReport is made."""
         run = self._state()
         return GuardReport(device=run.device, outcome=outcome, attempts=tuple(run.attempts), cleanup=run.cleanup,
                            allocator=run.allocator, preflight=run.preflight, before=before, after=after,
                            seconds=seconds, delta=delta, tensor_delta=tensor_delta, peak=peak, variables=variables,
                            snapshot=run.history, notes=tuple(run.notes), label=self.label, rehearsal=run.rehearsal,
-                           made_in=self.made_in)
+                           made_in=self.made_in, context_room=context_room)
 
 
 class _AttemptContext:

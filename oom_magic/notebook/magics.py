@@ -217,13 +217,13 @@ class OomMagics(Magics):
             raise UsageError(str(exc)) from None
 
     def _preflight(self, source: str, namespace: dict[str, Any], device: str | None, headroom: str | int,
-                   target: Any) -> Preflight:
+                   target: Any, job: dict[str, Any]) -> Preflight:
         """The fit check of a guarded cell; a hub model not in the cache is read within hub_timeout."""
         from ..checkpoints.hub import hub_options
         from ..fit.preflight import preflight_check
 
         with hub_options(timeout=self.hub_timeout):
-            return preflight_check(source, namespace, device=device, headroom=headroom, target=target)
+            return preflight_check(source, namespace, device=device, headroom=headroom, target=target, job=job)
 
     @magic_arguments()
     @argument("--device", "-d", default=None, help="Device to guard and measure: cuda, cuda:N, cpu or mps (default: where the cell's load puts its weights, else the current CUDA device, else cpu).")
@@ -232,6 +232,11 @@ class OomMagics(Magics):
     @argument("--headroom", default=None, metavar="SIZE", help="Memory to keep free on the device: a size such as 2GiB or a percentage of its capacity such as 5%% (default: OomMagics.guard_headroom).")
     @argument("--snapshot", default=None, metavar="PATH", help="CUDA only: record allocator history during the cell and, on out-of-memory, write it to PATH (a file or a folder) for https://pytorch.org/memory_viz.")
     @argument("--target", default=None, metavar="GPU", help="Rehearse the load for the GPU it will be deployed on: a known GPU (T4, L4, A10G, A100-80GB, H100-80GB, ...) or the card's total as nvidia-smi shows it (16GiB). The fit check and its options are for that GPU's usable memory; on a larger CUDA device the cell runs capped at it (set_per_process_memory_fraction, put back afterwards).")
+    @argument("--context", type=int, default=None, metavar="N", help="Size the job, not just the load: tokens the KV cache holds (prompt + generated); overrides what the cell's generate() says.")
+    @argument("--prompt", type=int, default=None, metavar="N", help="Tokens of the prompt's forward (default: the cell's literal prompt, else the whole context, the worst case).")
+    @argument("--batch", type=int, default=None, metavar="B", help="Sequences at once (default: the cell's generate() input or TrainingArguments' per_device_train_batch_size, else 1).")
+    @argument("--train", default=None, metavar="KIND", help="Size a fine-tune: adamw, sgd, adamw8bit, lora or qlora (default: what the cell's TrainingArguments and LoraConfig say).")
+    @argument("--lora-r", type=int, default=None, metavar="R", help="The LoRA rank (default: the cell's LoraConfig r, else 16).")
     @argument("--no-cleanup", action="store_true", help="Do not free stale memory (output cache, stored tracebacks, garbage) before the cell.")
     @argument("--no-expandable", action="store_true", help="Do not set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before CUDA initializes.")
     @argument("--quiet", "-q", action="store_true", help="Print only warnings and out-of-memory forensics, show the report as one line and no memory widget under the cell; the GuardReport is still returned in full.")
@@ -244,6 +249,7 @@ class OomMagics(Magics):
         """
         __tracebackhide__ = True
         from ..guard.pipeline import GuardedLoad, compile_cell
+        from ..fit.cell_job import job_overrides
         from ..fit.preflight import load_target, parse_headroom
         from ..fit.targets import parse_target
 
@@ -256,7 +262,9 @@ class OomMagics(Magics):
         try:
             parse_headroom(headroom, 0)
             target = parse_target(args.target) if args.target is not None else None
-        except OomMagicError as exc:  # a bad --headroom or --target names the fix (and the known GPUs)
+            job = job_overrides(context=args.context, batch=args.batch, prompt=args.prompt, train=args.train,
+                                lora_r=args.lora_r)
+        except OomMagicError as exc:  # a bad --headroom, --target or job flag names the fix (and the known GPUs)
             raise UsageError(str(exc)) from None
         body, source = compile_cell(self.shell, cell)  # a SyntaxError shows as it would without the magic
         namespace = self._ipython.user_ns
@@ -264,7 +272,7 @@ class OomMagics(Magics):
             args.device, args.retry, cleanup=not args.no_cleanup,
             expandable_segments=self.expandable_segments and not args.no_expandable, snapshot=args.snapshot,
             headroom=headroom, quiet=args.quiet, raise_on_oom=self.guard_raise, strict=args.strict,
-            preflight=lambda: self._preflight(source, namespace, args.device, headroom, target),
+            preflight=lambda: self._preflight(source, namespace, args.device, headroom, target, job),
             shell=self.shell, namespace=namespace, format_traceback=self._guard_traceback, label="%%guardload",
             device_hint=load_target(source, namespace), target=target)
         try:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .target import Cap, Target
     from .diagnosis import Diagnosis
 
-__all__ = ["AllocatorAction", "AllocatorSetting", "Attempt", "ChangeKind", "GiveBack", "GuardReport", "Outcome",
+__all__ = ["AllocatorAction", "AllocatorSetting", "Attempt", "ChangeKind", "ContextRoom", "GiveBack", "GuardReport", "Outcome",
            "PeakMeasure", "PeakReading", "QuietGuardReport", "Rehearsal", "RehearsalReason", "VariableUse"]
 
 Outcome = Literal["ok", "oom", "error"]
@@ -149,6 +149,19 @@ class Rehearsal(Shown):
 
 
 @dataclass(frozen=True)
+class ContextRoom(Shown):
+    """How much KV cache the loaded model has room for now: the device's free memory after the load over
+    what the cache grows by per token at this batch (the job's sizing probe, run on the meta device)."""
+
+    tokens: int            # free // per_token
+    batch: int             # the job's batch for inference, else 1
+    dtype: str             # the cache's dtype (the model's compute dtype)
+    free: int              # free on the device after the load
+    per_token: float       # bytes the cache grows by per token of context at this batch
+    device: str
+
+
+@dataclass(frozen=True)
 class GuardReport(Shown):
     """The story of one guarded load: before, each attempt, after. Int bytes, None where unknown.
 
@@ -173,6 +186,7 @@ class GuardReport(Shown):
     label: str = "guard_load"  # '%%guardload' in the magic
     rehearsal: Rehearsal | None = None  # --target: how the load was rehearsed for that GPU
     made_in: MadeIn = "ipython"  # printed later, the report still phrases its hints for where it was made
+    context_room: ContextRoom | None = None  # after a load of a transformers model whose config is known
 
     @property
     def last(self) -> Attempt:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .job import JobFit
 from .request import LoadKind, LoadRequest
 from .shown import Shown
 
@@ -87,6 +88,9 @@ class FitCheck:
     reserve: int | None = None
     kv_cache: int | None = None
     max_model_len: int | None = None
+    # the job the load is for (call.job) sized against the same budget; its needed bytes count in peak_need
+    job: JobFit | None = None
+    job_unsized: str | None = None  # why call.job could not be sized (the weights' verdict stands)
 
     @property
     def budget(self) -> int | None:
@@ -101,10 +105,10 @@ class FitCheck:
 
     @property
     def peak_need(self) -> int | None:
-        """What the load needs at its peak: the weights, or the cpu load's RAM peak when that is higher."""
+        """What the load needs at its peak: the weights, the cpu load's RAM peak, or its job, whichever is higher."""
         if self.need is None:
             return None
-        return max(self.need, self.ram_peak or 0)
+        return max(self.need, self.ram_peak or 0, self.job.needed if self.job is not None else 0)
 
     @property
     def margin(self) -> int | None:

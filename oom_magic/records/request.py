@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .job import Job
 from .target import Target
 
 __all__ = ["LoadKind", "LoadRequest", "Origin"]
@@ -56,3 +57,6 @@ class LoadRequest:
     memory_utilization: float | None = None
     max_model_len: int | None = None
     tensor_parallel: int = 1
+    # the job the cell loads the model for (generate's lengths, a fine-tune's settings) or the flags' job;
+    # None: the weights alone are checked
+    job: Job | None = None

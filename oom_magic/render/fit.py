@@ -12,6 +12,7 @@ from ..records.preflight import FitCheck, Lint, Preflight
 from ..records.shown import renders
 from .guard import (download_short_text, hub_read_text, lint_message, lint_text, need_phrase, option_code,
                     preflight_html, preflight_text, target_label)
+from .job import job_fit_dict
 from .json import record_dict
 from .units import format_bytes
 
@@ -68,6 +69,9 @@ def fit_dict(preflight: Preflight) -> dict[str, Any]:
             "target": record_dict(target) if (target := check.target or check.call.target) is not None else None,
             "options": [dict(record_dict(o), code=option_code(o)) for o in check.options],
             "download_short": check.download_short,
+            # the job the load is for (the cell's, or the flags'): its check as the command's --json has it
+            "job": job_fit_dict(check.job)["checks"][0] if check.job is not None else None,
+            "job_unsized": check.job_unsized,
             "hub": record_dict(check.estimate.hub) if getattr(check.estimate, "hub", None) is not None else None,
         })
     return {

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 from ..common.sizes import shorten
 from ..records.diagnosis import RetryVerdict
-from ..records.guard import AllocatorSetting, GiveBack, GuardReport, QuietGuardReport, Rehearsal, VariableUse
+from ..records.guard import (AllocatorSetting, ContextRoom, GiveBack, GuardReport, QuietGuardReport, Rehearsal,
+                             VariableUse)
 from ..records.hub import HubRead
 from ..records.llama_cpp import LlamaCppLoad
 from ..records.shown import renders
 from .advice import (OPTION_LABELS, aligned_rows, option_code, option_notes, option_rows, quantized_label, size_literal, target_label,
                      target_place)
+from .job import job_label, job_sum
 from .diagnosis import cause_text, cause_title, diagnosis_html, diagnosis_text, retry_text
 from .units import escape, format_bytes, one_line  # escape: html.escape, surrogate-safe
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     from ..records.preflight import FitCheck, Lint, Preflight
     from ..records.target import Target
 
-__all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "diagnosis_html", "diagnosis_text",
+__all__ = ["allocator_line", "cause_text", "cause_title", "cleanup_line", "context_room_line", "diagnosis_html", "diagnosis_text",
            "give_back_line", "guard_report_html", "need_phrase", "guard_report_text", "lint_text", "option_code", "option_rows",
            "preflight_html", "preflight_text", "quiet_summary_html", "quiet_summary_text", "refusal_line",
            "rehearsal_line", "retry_line", "retry_text", "run_summary_text", "script_wording", "short_message",
@@ -127,6 +129,7 @@ def _check_lines(check: FitCheck) -> list[str]:
         lines.append(f"  llama.cpp: {format_bytes(load.weights_bytes)} of weights + {format_bytes(load.kv_cache_bytes)} "
                      f"of KV cache at n_ctx={load.n_ctx}; n_gpu_layers={layers} puts {format_bytes(load.gpu_bytes)} "
                      f"on the GPU, {format_bytes(load.cpu_bytes)} in RAM")
+    lines += _job_lines(check)
     if check.verdict == "unknown":
         lines.append(f"  not checked: {check.reason}")
         return lines
@@ -148,7 +151,10 @@ def _check_lines(check: FitCheck) -> list[str]:
     if check.verdict == "fits":
         peak = (f" at the load's RAM peak ({format_bytes(check.peak_need)}: copies beside the file pages read; "
                 f"{format_bytes(check.need)} once loaded)") if check.ram_peak is not None else ""
-        lines.append(f"{head} → fits, {format_bytes(check.margin)} to spare{peak}")
+        verdict = "fits"
+        if check.job is not None and check.job.needed == check.peak_need:
+            verdict, peak = f"fits with its job ({format_bytes(check.peak_need)})", ""
+        lines.append(f"{head} → {verdict}, {format_bytes(check.margin)} to spare{peak}")
     else:
         lines.append(f"{head} → WILL NOT FIT: {need_phrase(check)}, {format_bytes(-(check.margin or 0))} short")
     if check.options:
@@ -198,8 +204,24 @@ def _ceil2(x: float) -> float:
     return -int(-x * 100 // 1) / 100
 
 
+def _job_lines(check: FitCheck) -> list[str]:
+    """The job the load is for, part by part, and the longest context its budget holds (or why it is not sized)."""
+    if check.job_unsized is not None:
+        return [f"  job not sized: {check.job_unsized}"]
+    fit = check.job
+    if fit is None:
+        return []
+    lines = [f"  job: {job_sum(fit)}"]
+    if fit.largest_context is not None:
+        lines.append(f"  largest context at batch {fit.job.batch} in the {format_bytes(fit.usable)} budget below: "
+                     f"{fit.largest_context:,} tokens")
+    return lines
+
+
 def need_phrase(check: FitCheck) -> str:
-    """'needs N' — the figure every shortfall subtracts from; a cpu load whose RAM peak is the need says so."""
+    """'needs N' — the figure every shortfall subtracts from; a cpu load whose RAM peak or whose job is the need says so."""
+    if check.job is not None and check.job.needed == check.peak_need:
+        return f"needs {format_bytes(check.peak_need)} for its job ({job_label(check.job.job)})"
     if check.ram_peak is not None:
         return (f"needs {format_bytes(check.peak_need)} at the load's RAM peak (copies beside the file pages read; "
                 f"{format_bytes(check.need)} once loaded)")
@@ -209,14 +231,14 @@ def need_phrase(check: FitCheck) -> str:
 def _target_check_lines(check: FitCheck, target: Target) -> list[str]:
     """The fit verdict phrased for the --target GPU, its options, and the offload plan's check."""
     label, place = target_label(target), target_place(target)
-    head = f"  on {label} this load needs {format_bytes(check.need)} of {format_bytes(check.budget)} usable"
+    head = f"  on {label} this load needs {format_bytes(check.peak_need)} of {format_bytes(check.budget)} usable"
     if check.split:
         places = " + ".join(f"{format_bytes(b)} {'RAM' if d == 'cpu' else d if d == 'disk' else 'on the ' + place}"
                             for d, b in check.split)
         head += f" with device_map=\"auto\" ({places}; RAM and disk are this machine's)"
     # One usable figure, the target's, everywhere (the rehearsal line names the same one).
     if not check.split:
-        head = f"  on {label} this load needs {format_bytes(check.need)} of {format_bytes(target.usable)} usable"
+        head = f"  on {label} this load needs {format_bytes(check.peak_need)} of {format_bytes(target.usable)} usable"
         head += (f" (after its driver and CUDA context) − {format_bytes(check.headroom)} headroom = "
                  f"{format_bytes(check.budget)}" if check.headroom else " (after its driver and CUDA context)")
     if check.verdict == "fits":
@@ -384,6 +406,13 @@ def rehearsal_line(rehearsal: Rehearsal, *, before: bool = False) -> str:
     return f"{head}{why}; the load itself {'runs' if before else 'ran'} uncapped"
 
 
+def context_room_line(room: ContextRoom) -> str:
+    """'room for 12,345 tokens of KV cache at batch 1 (bfloat16) now: 1.50 GiB available ÷ 128 KiB per token'."""
+    free_word = "available" if room.device == "cpu" else "free"
+    return (f"room for {room.tokens:,} tokens of KV cache at batch {room.batch} ({room.dtype}) now: "
+            f"{format_bytes(room.free)} {free_word} ÷ {format_bytes(round(room.per_token))} per token")
+
+
 def _variable_line(v: VariableUse) -> str:
     where = " + ".join(f"{format_bytes(b)} on {d}" for d, b in v.by_device) or "0 B"
     dtype = f" {v.dtype}" if v.dtype else ""
@@ -424,6 +453,8 @@ def _summary_text(report: GuardReport) -> str:
     lines.append(f"  peak: {r.peak.note}")
     free_word = "available" if r.device == "cpu" else "free"
     lines.append(f"  {r.device}: {format_bytes(r.after.free)} {free_word} now")
+    if r.context_room is not None:
+        lines.append(f"  {context_room_line(r.context_room)}")
     lines += [f"  note: {n}" for n in r.notes]
     return "\n".join(map(one_line, lines))  # outside text stays on its line
 
@@ -517,4 +548,5 @@ def quiet_summary_html(report: GuardReport) -> str:
 
 
 renders(GuardReport, guard_report_text, guard_report_html, pretty=run_summary_text)
+renders(ContextRoom, context_room_line)
 renders(QuietGuardReport, guard_report_text, quiet_summary_html, pretty=quiet_summary_text)

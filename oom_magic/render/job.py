@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..records.job import DeviceSplit, JobFit, JobParts
+from ..records.job import DeviceSplit, Job, JobFit, JobParts
 from ..records.shown import renders
 from .units import format_bytes
 
-__all__ = ["GPU_ONLY_LINE", "job_fit_dict", "job_fit_text", "parts_dict"]
+__all__ = ["GPU_ONLY_LINE", "job_fit_dict", "job_fit_text", "job_label", "job_sum", "parts_dict"]
 
 PART_NAMES = ("weights", "kv_cache", "activations", "gradients", "optimizer", "adapters")
 _LABELS = {"weights": "weights", "kv_cache": "KV cache", "activations": "activations", "gradients": "gradients",
@@ -21,15 +21,27 @@ def parts_dict(parts: JobParts) -> dict[str, int | None]:
     return {name: getattr(parts, name) for name in PART_NAMES}
 
 
-def _job_line(fit: JobFit) -> str:
-    job = fit.job
+def job_label(job: Job) -> str:
+    """'inference at context 4,096, batch 1' / 'fine-tune (lora, r=8, gradient checkpointing) at context 512, batch 4'."""
     how = [f"r={job.lora_r}"] if job.train in ("lora", "qlora") else []
     how += [f"{job.mixed_precision} mixed precision"] if job.mixed_precision else []
     how += ["gradient checkpointing"] if job.gradient_checkpointing else []
     what = f"fine-tune ({', '.join([job.train, *how])})" if job.train else "inference"
     prompt = "" if job.prompt is None or job.train else f", prompt {job.prompt:,}"
+    return f"{what} at context {job.context:,}{prompt}, batch {job.batch}"
+
+
+def job_sum(fit: JobFit) -> str:
+    """The job and its parts added up: 'inference at context 9, batch 1: weights 412 KiB + KV cache 4.5 KiB = ...'."""
+    parts = [f"{_LABELS[name]} {format_bytes(value)}" for name in PART_NAMES if (value := getattr(fit.parts, name))]
+    unsized = " (activations not sized)" if fit.parts.activations is None else ""
+    return f"{job_label(fit.job)}: {' + '.join(parts)} = {format_bytes(fit.parts.total)}{unsized}"
+
+
+def _job_line(fit: JobFit) -> str:
+    job = fit.job
     gpus = f"{job.gpus}x{fit.target}" if job.gpus > 1 else fit.target
-    return f"{what} at context {job.context:,}{prompt}, batch {job.batch} on {gpus} ({format_bytes(fit.usable)} usable each)"
+    return f"{job_label(job)} on {gpus} ({format_bytes(fit.usable)} usable each)"
 
 
 def _step_line(fit: JobFit) -> str:

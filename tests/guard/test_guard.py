@@ -277,7 +277,7 @@ def test_every_argument_has_help(torch_ip):
     parser = _magics(torch_ip).guardload.parser
     flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
     assert {a.dest for a in flags} == {"device", "retry", "strict", "headroom", "snapshot", "target", "no_cleanup",
-                                       "no_expandable", "quiet"}
+                                       "no_expandable", "quiet", "context", "prompt", "batch", "train", "lora_r"}
     assert all(a.help for a in flags)
 
 

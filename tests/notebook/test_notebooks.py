@@ -262,6 +262,15 @@ def test_quickstart_load_runs_under_guardload(quickstart: nbformat.NotebookNode)
     report = result(quickstart, "load").data["text/plain"]
     assert re.match(rf"%%guardload: ran in [\d.]+ s on {DEVICE} · ", report), report
     assert re.search(rf"^  model: {MODEL} float32 on {DEVICE} \(new\)$", report, re.M), report
+    # and the room the loaded model has for KV cache now: what is free ÷ what its cache grows by per token
+    room = re.search(rf"^  room for ([\d,]+) tokens of KV cache at batch 1 \(float32\) now: ([\d.]+) ([KMG])iB "
+                     rf"(?:available|free) ÷ (.+) per token$", report, re.M)
+    assert room is not None, report
+    model = _notebook_llama("float32")
+    per_token = (_cache_bytes(model, 1, 65) - _cache_bytes(model, 1, 1)) / 64
+    assert room.group(4) == format_bytes(round(per_token))
+    free = float(room.group(2)) * 2 ** (10 * "KMG".index(room.group(3)) + 10)  # as printed, to 2 decimals
+    assert abs(int(room.group(1).replace(",", "")) * per_token - free) <= 0.005 * free + per_token
 
 
 def test_quickstart_gpumem_names_the_model(quickstart: nbformat.NotebookNode) -> None:
@@ -302,6 +311,37 @@ def test_quickstart_fit_check_for_a_deployment_gpu(quickstart: nbformat.Notebook
     assert re.search(rf"^checkpoint .+ \(safetensors, 1 file\): 11,356,416 parameters, {re.escape(MODEL_BF16)} as "
                      "bfloat16$", report, re.M), report
     assert re.search(rf"on a T4 this load needs {re.escape(MODEL_BF16)} of [\d.]+ GiB usable .*→ fits", report), report
+
+
+def _notebook_llama(dtype: str):
+    """The notebooks' tiny Llama (notebooks/make_notebooks.py's BUILD), built here in ``dtype``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=16_000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    return LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
+
+
+def _cache_bytes(model, batch: int, tokens: int) -> int:
+    """The bytes of the KV cache a real forward of ``batch`` x ``tokens`` leaves."""
+    import torch
+
+    from tests.sizing.families import cache_storage_bytes
+
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(3, 16_000, (batch, tokens)), use_cache=True)
+    return cache_storage_bytes(out.past_key_values)
+
+
+def test_quickstart_fit_for_the_job(quickstart: nbformat.NotebookNode) -> None:
+    report = result(quickstart, "fit-job").data["text/plain"]
+    assert re.match(r"\S*_models/tiny-llama: inference at context 512, batch 8 on T4 \([\d.]+ GiB usable each\)\n"
+                    r"  fits, [\d.]+ GiB to spare\n", report), report
+    kv = format_bytes(_cache_bytes(_notebook_llama("bfloat16"), 8, 512))  # the real cache of that job
+    assert re.search(rf"^    weights +{re.escape(MODEL_BF16)}$", report, re.M), report
+    assert re.search(rf"^    KV cache +{re.escape(kv)}$", report, re.M), report
+    assert re.search(r"^  largest context at batch 8: [\d,]+ tokens", report, re.M), report
 
 
 def test_quickstart_freeall_gives_stale_memory_back(quickstart: nbformat.NotebookNode) -> None:
