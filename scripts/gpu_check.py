@@ -46,6 +46,7 @@ CHECKS = {
     9: "--target caps a real load at the deployment GPU's usable memory, and the user's fraction comes back",
     10: "fit_check's job sizing against a real generate (weights, KV cache, peak) and a real AdamW step",
     11: "a steady %gpumem with unmoved allocator counts makes no heap pass, names unchanged",
+    12: "%%guardload sizes the job its cell runs; the room it reports after the load is the real cache's",
 }
 
 # Module -> pip name; the suite needs these (what the GPU machine brings, plus oom-magic's own).
