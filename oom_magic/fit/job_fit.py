@@ -73,9 +73,14 @@ def _verdict(checkpoint: str, job: Job, sizing: JobSizing, name: str, usable: in
             largest_context = max(job.context + math.floor((room - parts.kv_cache) / sizing.kv_growth_per_token), 0)
         largest_batch = max(room // sizing.kv_per_sequence, 0) if sizing.kv_per_sequence else None
     elif parts.activations is not None and sizing.activations_per_sequence > 0:
-        # a step's activations grow linearly with the batch (sized at batch and batch + 1); the rest stays
-        room = budget - (needed - parts.activations)
-        largest_batch = max(job.batch + math.floor((room - parts.activations) / sizing.activations_per_sequence), 0)
+        # a step's activations grow linearly with the batch (sized at batch and batch + 1); what is held
+        # and the optimizer step's temporary (which does not meet them) stay
+        sharded = bool(parts.per_device)  # FSDP: each device holds 1/N and the largest layer gathered
+        steady = math.ceil(parts.held / job.gpus) + sizing.largest_layer if sharded else parts.held
+        step = math.ceil(parts.optimizer_step / job.gpus) if sharded else parts.optimizer_step
+        room = budget - steady
+        largest_batch = (0 if room < step else
+                         max(job.batch + math.floor((room - parts.activations) / sizing.activations_per_sequence), 0))
     return JobFit(checkpoint, job, parts, name, usable, fits, largest_context, largest_batch,
                   None if fits else _gpus_needed(job, sizing, usable), _gpus_tried(sizing))
 
@@ -99,8 +104,8 @@ def _gpus_needed(job: Job, sizing: JobSizing, usable: int) -> int | None:
     parts = sizing.parts
     if not job.train:  # the fewest GPUs whose device_map="auto" split fits
         return split_gpus_needed(sizing.splits, parts.activations, job, usable)
-    gathered = sizing.largest_layer + (parts.activations or 0)  # each device's own step is not sharded
-    for count in range(job.gpus + 1, _MOST_GPUS + 1):
-        if math.ceil((parts.total - (parts.activations or 0)) / count) + gathered <= usable:
+    for count in range(job.gpus + 1, _MOST_GPUS + 1):  # each device: 1/N of what is held, its own step's activations
+        transient = max(parts.activations or 0, math.ceil(parts.optimizer_step / count))
+        if math.ceil(parts.held / count) + sizing.largest_layer + transient <= usable:
             return count
     return None

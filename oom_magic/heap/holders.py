@@ -108,9 +108,11 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
         for key in still_garbage(live, holders):
             holders[key] = Holder(GARBAGE, "unreachable reference cycle", "gc")
     # Held alone by a library's module or class, as last time: no walk reaches it, and it is no
-    # garbage. Asked also without trace_other: the cleanup's garbage search would climb to it again.
-    for key, text in still_library_held(live, holders).items():
-        holders[key] = Holder(OTHER, text, "referrers")
+    # garbage. Asked also without trace_other: the cleanup's garbage search would climb to it again
+    # (not for a reach from given roots alone, which searches nothing: its holders are what it reached).
+    if trace_other or find_garbage:
+        for key, text in still_library_held(live, holders).items():
+            holders[key] = Holder(OTHER, text, "referrers")
     wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
     skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)

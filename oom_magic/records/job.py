@@ -72,12 +72,18 @@ class JobParts(Shown):
     per_device: tuple[int, ...] = ()  # each device's share when split over several (empty: one device)
     split: DeviceSplit | None = None  # inference over several GPUs: what device_map="auto" puts on each
     weight_casts: int = 0  # autocast's low-precision weight copies (mixed precision): in activations while live at the peak
+    optimizer_step: int = 0  # what the optimizer's step allocates for a moment (foreach AdamW's sqrt of its state)
+
+    @property
+    def held(self) -> int:
+        """What the job holds throughout: every part but the two transients (activations, the optimizer's step)."""
+        return self.weights + self.kv_cache + self.gradients + self.optimizer + self.adapters
 
     @property
     def total(self) -> int:
-        """Every part added up (activations counted as 0 where unknown)."""
-        return (self.weights + self.kv_cache + (self.activations or 0) + self.gradients + self.optimizer
-                + self.adapters)
+        """The job's peak: what it holds plus the larger of its two transients, which never meet (the
+        forward/backward's activations are freed before the optimizer's step); unknown activations count 0."""
+        return self.held + max(self.activations or 0, self.optimizer_step)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from .units import format_bytes
 
 __all__ = ["GPU_ONLY_LINE", "job_fit_dict", "job_fit_text", "job_label", "job_sum", "parts_dict"]
 
-PART_NAMES = ("weights", "kv_cache", "activations", "gradients", "optimizer", "adapters")
+PART_NAMES = ("weights", "kv_cache", "activations", "gradients", "optimizer", "adapters", "optimizer_step")
 _LABELS = {"weights": "weights", "kv_cache": "KV cache", "activations": "activations", "gradients": "gradients",
-           "optimizer": "optimizer", "adapters": "adapters"}
+           "optimizer": "optimizer", "adapters": "adapters", "optimizer_step": "optimizer step"}
 GPU_ONLY_LINE = ("Not counted (only a GPU adds them): the CUDA context, cuBLAS/cuDNN handles and kernel "
                  "workspaces, and the caching allocator's rounding.")
 
@@ -35,6 +35,10 @@ def job_sum(fit: JobFit) -> str:
     """The job and its parts added up: 'inference at context 9, batch 1: weights 412 KiB + KV cache 4.5 KiB = ...'."""
     parts = [f"{_LABELS[name]} {format_bytes(value)}" for name in PART_NAMES if (value := getattr(fit.parts, name))]
     unsized = " (activations not sized)" if fit.parts.activations is None else ""
+    transients = [f"{_LABELS[n]} {format_bytes(v)}" for n in ("activations", "optimizer_step") if (v := getattr(fit.parts, n))]
+    if len(transients) == 2:  # they never meet: the peak holds the larger
+        held = [f"{_LABELS[n]} {format_bytes(v)}" for n in PART_NAMES[:-1] if n != "activations" and (v := getattr(fit.parts, n))]
+        parts = held + [f"the larger of ({', '.join(transients)})"]
     return f"{job_label(fit.job)}: {' + '.join(parts)} = {format_bytes(fit.parts.total)}{unsized}"
 
 
@@ -68,11 +72,13 @@ def job_fit_text(fit: JobFit) -> str:
         verdict = (f"will not fit: device_map=\"auto\" puts {format_bytes(split.spilled)} of weights off the GPUs "
                    f"({', '.join(split.spilled_modules)})")
     lines = [f"{fit.checkpoint}: {_job_line(fit)}", f"  {verdict}"]
-    for name in PART_NAMES:
+    for name in PART_NAMES if fit.job.train else PART_NAMES[:-1]:
         value = getattr(fit.parts, name)
         shown = "not sized" if value is None else format_bytes(value)
         lines.append(f"    {_LABELS[name]:<12}{shown:>12}")
-    lines.append(f"    {'total':<12}{format_bytes(fit.parts.total):>12}")
+    lines.append(f"    {'total':<12}{format_bytes(fit.parts.total):>12}"
+                 + ("  (the activations and the optimizer step never meet: the peak holds the larger)"
+                    if fit.parts.optimizer_step and fit.parts.activations else ""))
     if split is not None:
         lines += _split_lines(split)
     elif fit.parts.per_device:
@@ -95,6 +101,9 @@ def job_fit_text(fit: JobFit) -> str:
         lines.append("  activations (the transient peak of a forward/backward) are not sized for this job")
     elif fit.job.train:
         lines.append(_step_line(fit))
+    if fit.parts.optimizer_step:
+        lines.append(f"  optimizer step: AdamW's foreach step (a GPU's default) takes the square root of its state, a "
+                     f"tensor per parameter ({format_bytes(fit.parts.optimizer_step)}), for a moment after the backward")
     else:
         lines.append("  activations: the prompt's forward as eager attention holds it (batch x heads x prompt² "
                      "scores); an upper bound where sdpa/flash kernels run")

@@ -28,7 +28,7 @@ from ..common.errors import OomMagicError
 from ..records.job import TRAIN_KINDS, Job, JobParts
 from .device_split import MOST_GPUS, device_split
 from .probe import JobProbe, SplitFigures, TrainStep, probe_job
-from .training import gradient_bytes, optimizer_bytes
+from .training import gradient_bytes, optimizer_bytes, optimizer_step_bytes
 
 __all__ = ["MIXED_PRECISIONS", "JobSizing", "check_job", "size_job"]
 
@@ -155,18 +155,21 @@ def _config_file(path_or_id: str | os.PathLike[str]) -> Iterator[Path]:
 
 def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:
     kv = 0 if job.train else max(probe.kv_after_prompt, probe.kv_at_context)
-    gradients = optimizer = adapters = 0
+    gradients = optimizer = adapters = step = 0
     if job.train:
         trained = probe.adapters if job.train in ("lora", "qlora") else probe.parameters
         adapters = sum(row[3] for row in probe.adapters)
         gradients = gradient_bytes(trained)
         optimizer = optimizer_bytes(trained, _OPTIMIZER[job.train])
+        step = optimizer_step_bytes(trained, _OPTIMIZER[job.train])  # on a GPU: AdamW's foreach step
     activations = probe.train_activations if job.train else probe.activations
     per_device: tuple[int, ...] = ()
     if job.gpus > 1 and job.train:
         # each device runs the step on its own batch of job.batch sequences: its activations are not sharded
         sharded = weights + gradients + optimizer + adapters + kv
-        per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer + (activations or 0),) * job.gpus
+        # ... and steps its own shard of the state: 1/N of the step's temporary
+        per_device = (math.ceil(sharded / job.gpus) + probe.largest_layer
+                      + max(activations or 0, math.ceil(step / job.gpus)),) * job.gpus
     split = None
     if job.gpus > 1 and not job.train:  # device_map="auto"'s split, where the probe was asked for it
         figures = next((f for f in probe.splits if f.gpus == job.gpus), None)
@@ -174,7 +177,7 @@ def _sizing(weights: int, probe: JobProbe, job: Job) -> JobSizing:
         per_device = () if split is None else tuple(share.total for share in split.shares)
     parts = JobParts(weights=weights, kv_cache=kv, activations=activations, gradients=gradients, optimizer=optimizer,
                      adapters=adapters, per_device=per_device, split=split,
-                     weight_casts=probe.weight_casts if job.train else 0)
+                     weight_casts=probe.weight_casts if job.train else 0, optimizer_step=step)
     return JobSizing(parts, 0.0 if job.train else probe.kv_growth_per_token, kv // job.batch, probe.largest_layer,
                      probe.splits, probe.train_per_sequence if job.train else 0)
 

@@ -46,7 +46,7 @@ def test_inference_json_carries_parts_equal_to_a_real_cache_and_the_weights(llam
         real = model(input_ids=torch.randint(3, 256, (3, 48)), use_cache=True).past_key_values
     assert check["parts"] == {"weights": estimate_checkpoint(folder, "auto").bytes,
                               "kv_cache": cache_storage_bytes(real), "activations": check["parts"]["activations"],
-                              "gradients": 0, "optimizer": 0, "adapters": 0}
+                              "gradients": 0, "optimizer": 0, "adapters": 0, "optimizer_step": 0}
     assert check["parts"]["activations"] > 0  # held to the profiler in tests/sizing/test_activations.py
     assert check["fits"] is True and check["per_device"] == [] and check["largest_batch"] > 3
 

@@ -351,10 +351,17 @@ def training_rows(checks: Any, fit: Any, got: Trained) -> None:
         checks.row("train: the step's peak beyond weights + grads + state (informational)", None, transient, None,
                    unit="bytes", note=f"peaked in {phase}; {phases}")
         return
-    checks.equal("train: the step's peak beyond weights + grads + state ≈ parts.activations (±15%)",
-                 parts.activations, transient, tol=int(parts.activations * TRAIN_ACTIVATIONS_TOLERANCE),
-                 note=f"peaked in {phase}; {phases}; eager attention, as the meta-device probe runs it")
-
+    step = got.step_peak - got.after_step
+    checks.equal("train: optimizer.step's peak − after == parts.optimizer_step (foreach's sqrt of its state)",
+                 parts.optimizer_step, step, tol=512 * got.parameters,
+                 note=f"foreach={got.foreach}; tolerance: 512-byte rounding of each temporary's block")
+    checks.equal("train: forward/backward's peak + state − after ≈ parts.activations (±15%)",
+                 parts.activations, forward_backward - got.after_step,
+                 tol=int(parts.activations * TRAIN_ACTIVATIONS_TOLERANCE),
+                 note=f"{phases}; eager attention, as the meta-device probe runs it")
+    checks.at_most("train: the step's whole peak beyond weights + grads + state ≤ the larger of the two",
+                   max(parts.activations, parts.optimizer_step) * (1 + TRAIN_ACTIVATIONS_TOLERANCE), transient,
+                   note=f"peaked in {phase}")
 
 # -- the checks -------------------------------------------------------------------------------------------------
 

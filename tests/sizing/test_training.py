@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from oom_magic.sizing.probe import probe_job
-from oom_magic.sizing.training import gradient_bytes, optimizer_bytes
+from oom_magic.sizing.training import gradient_bytes, optimizer_bytes, optimizer_step_bytes
 from tests.sizing.families import build
 
 torch = pytest.importorskip("torch")
@@ -61,6 +61,51 @@ def test_adamw_steps_stay_on_the_host_so_the_device_figure_leaves_them_out(tmp_p
     assert all(s.device.type == "cpu" and s.dtype == torch.float32 and s.dim() == 0 for s in steps)
     assert optimizer_bytes(probe.parameters, "adamw") + 4 * len(steps) == \
         optimizer_bytes(probe.parameters, "adamw", on_host_too=True)
+
+
+def _step_temporary(model, optimizer) -> int:
+    """What a real step allocates for a moment above what it leaves: the profiler's memory events of
+    the step alone (the first step also creates the state, which stays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.randint(3, 256, (2, 10))
+    model(input_ids=ids, labels=ids).loss.backward()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        optimizer.step()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak - live
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_foreach_adamw_step_holds_the_sqrt_of_its_state_for_a_moment(dtype, tmp_path):
+    """A GPU's AdamW runs foreach (every parameter a CUDA tensor): _multi_tensor_adamw's sqrt of
+    exp_avg_sq is a tensor per parameter while the gradients and state are alive (measured on an
+    H200: the step's peak above what it leaves == the gradients' bytes). foreach=True runs the same
+    code on the cpu; the per-parameter loop (the cpu's default) holds one parameter's at a time."""
+    from oom_magic.records.job import Job
+    from oom_magic.sizing.parts import size_job
+
+    model = build("llama-gqa", getattr(torch, dtype)).train()
+    foreach = _step_temporary(model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True))
+    model.zero_grad(set_to_none=True)
+    loop = _step_temporary(model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False))
+    model.save_pretrained(tmp_path)
+    parts = size_job(tmp_path, Job(context=10, batch=2, train="adamw"), dtype=dtype).parts
+    probe = probe_job(_config(model, tmp_path), dtype, batch=1, prompt=4, context=4)
+
+    assert parts.optimizer_step == optimizer_step_bytes(probe.parameters, "adamw") == parts.gradients
+    # the cpu's foreach step also makes a few scalar tensors (its step and bias-correction values; a
+    # CUDA step keeps those on the host: exact there)
+    assert 0 <= foreach - parts.optimizer_step <= 64
+    assert optimizer_step_bytes(probe.parameters, "adamw", foreach=False) == 0
+    # the loop: one parameter's sqrt and its quotient at a time (_single_tensor_adamw's denom)
+    assert loop - 1024 <= 2 * max(row[3] for row in probe.parameters) < foreach  # and its scalars
+    assert parts.total == parts.held + max(parts.activations or 0, parts.optimizer_step)
+    assert optimizer_step_bytes(probe.parameters, "sgd") == optimizer_step_bytes(probe.parameters, "adamw8bit") == 0
 
 
 @pytest.mark.parametrize("family,targets", [("llama-gqa", ()), ("llama-gqa", ("q_proj", "v_proj", "o_proj")),
