@@ -105,8 +105,8 @@ def job_fit_text(fit: JobFit) -> str:
         lines.append(f"  optimizer step: AdamW's foreach step (a GPU's default) takes the square root of its state, a "
                      f"tensor per parameter ({format_bytes(fit.parts.optimizer_step)}), for a moment after the backward")
     else:
-        lines.append("  activations: the prompt's forward as eager attention holds it (batch x heads x prompt² "
-                     "scores); an upper bound where sdpa/flash kernels run")
+        lines.append("  activations: the prompt's forward with the attention transformers picks for this model "
+                     "(sdpa: a fused kernel, no batch x heads x prompt² scores; eager where it is the default)")
     lines.append(f"  {GPU_ONLY_LINE}")
     return "\n".join(lines)
 

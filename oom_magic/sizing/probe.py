@@ -9,10 +9,10 @@ bytes of every tensor the returned cache holds. With LoRA it wraps the same meta
 peft's ``get_peft_model`` (peft's own ``target_modules`` matching) and reports the adapters.
 The prompt's forward also runs under a dispatch mode that adds up the storages ops create and
 Python frees (weakref finalizers): its live bytes at the peak, beyond the cache, are the prompt's
-transient activations. With eager attention this equals the PyTorch profiler's memory timeline of
-a real cpu forward (measured within 0.1%); on the meta device sdpa runs its math path, so the
-figure is eager's: sdpa/flash kernels on a GPU hold less (no batch x heads x prompt² scores).
-The user's kernel never imports torch, transformers or peft for this (``run_child``).
+transient activations, with the attention transformers picks for the model: sdpa runs as a fused
+kernel holds it (its output and logsumexp, no batch x heads x prompt² scores, which the meta
+device's math path would make), eager as eager does (Gemma 2). Against the PyTorch profiler's
+memory timeline of a real cpu forward it is within 10% (tests/sizing/test_activations.py).
 For a fine-tune (``TrainStep``) the child also runs one training step, forward with labels and
 backward, of the batch at the context, on the same model (LoRA-wrapped when asked) with eager
 attention, turned from meta into fake cpu tensors: shapes only, like meta, but torch.autocast's cpu
@@ -235,18 +235,35 @@ class Live(TorchDispatchMode):
             self.live -= entry[0]
             del self.held[key]
 
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # what a fused sdpa kernel (flash, memory-efficient, the cpu's flash) holds in a forward without
+    # grad: its output and, for the moment, its float32 logsumexp per query, never the batch x heads x
+    # prompt x prompt scores the meta device's math path makes
+    logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
+    del logsumexp
+    return out
+
 def prompt_transient():
-    # the prompt's forward as generate runs it (logits of the last token only), eager attention:
+    # the prompt's forward as generate runs it (logits of the last token only), with the attention
+    # transformers picks by default for the model (sdpa: a fused kernel; eager for Gemma 2's softcap):
     # what it holds at its peak beyond the cache it leaves; None where the model cannot run so
     if encoder_decoder:
         return None
     try:
-        model.set_attn_implementation("eager")
+        functional, sdpa = torch.nn.functional, torch.nn.functional.scaled_dot_product_attention
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":  # as from_pretrained picks it
+            functional.scaled_dot_product_attention = fused_attention
         mode = Live()
+        # the weights are there before the forward: their t() views are no new memory
+        mode.held.update({t.untyped_storage()._cdata: [0, 1 << 62] for t in [*model.parameters(), *model.buffers()]})
         ids = torch.zeros(batch, prompt, dtype=torch.long, device="meta")
-        with torch.no_grad(), mode:
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache = cache_bytes(out.past_key_values)
+        try:
+            with torch.no_grad(), mode:
+                out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                cache = cache_bytes(out.past_key_values)
+        finally:
+            functional.scaled_dot_product_attention = sdpa
         return max(mode.peak - cache, 0)
     except Exception:
         return None
@@ -376,7 +393,7 @@ print(json.dumps(answer))
 class JobProbe:
     """What the meta-device run of a job found (int bytes; parameters as (name, dtype, elements, bytes))."""
 
-    activations: int | None  # the prompt's forward at its peak beyond the cache (eager attention); None: not run
+    activations: int | None  # the prompt's forward at its peak beyond the cache (the model's attention); None: not run
     kv_after_prompt: int   # the cache right after the prompt's forward
     kv_at_context: int     # the cache once it holds the whole context
     kv_growth_per_token: float  # how the peak grows per token of context beyond this one (0: a fixed state)
