@@ -75,8 +75,8 @@ def job_fit_text(fit: JobFit) -> str:
     for name in PART_NAMES if fit.job.train else PART_NAMES[:-1]:
         value = getattr(fit.parts, name)
         shown = "not sized" if value is None else format_bytes(value)
-        lines.append(f"    {_LABELS[name]:<12}{shown:>12}")
-    lines.append(f"    {'total':<12}{format_bytes(fit.parts.total):>12}"
+        lines.append(f"    {_LABELS[name]:<15}{shown:>12}")
+    lines.append(f"    {'total':<15}{format_bytes(fit.parts.total):>12}"
                  + ("  (the activations and the optimizer step never meet: the peak holds the larger)"
                     if fit.parts.optimizer_step and fit.parts.activations else ""))
     if split is not None:
