@@ -1,0 +1,75 @@
+"""What refers to many objects at once is found in one heap pass, the same as ``gc.get_referrers`` finds it.
+
+Past ``referrers.FEW`` targets the heap is read in chunks through ``gc.get_referents``; the objects
+and their order must be ``gc.get_referrers``' own. A search can look among one generation alone,
+and the garbage search, over more cycles than that, names every one of them.
+"""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from oom_magic.heap import referrers
+from oom_magic.heap.holders import forget_paths
+
+
+class Box:
+    pass
+
+
+def _holders(count: int) -> tuple[list[Box], list[object], set[int]]:
+    targets = [Box() for _ in range(count)]
+    holders = [{"item": t} if i % 2 else [t] for i, t in enumerate(targets)]  # dicts and lists alike
+    return targets, holders, {id(h) for h in holders}
+
+
+@pytest.mark.parametrize("count", [5, referrers.FEW + 50])
+def test_the_same_referrers_in_the_same_order_as_gc_get_referrers(count):
+    targets, _kept, ours = _holders(count)  # _kept: the holders stay alive
+    found = [id(o) for o in referrers.referrers_of(targets) if id(o) in ours]
+    expected = [id(o) for o in gc.get_referrers(*targets) if id(o) in ours]
+    assert found == expected and len(found) == count
+
+
+def test_a_search_in_one_generation_finds_only_that_generations_referrers():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        targets, _kept, ours = _holders(referrers.FEW + 50)
+        gc.collect(0)  # the holders survive into generation 1
+        young = [[t] for t in targets[:10]]  # made after: generation 0
+        in_young = {id(o) for o in referrers.referrers_of(targets, 0)}
+        in_old = {id(o) for o in referrers.referrers_of(targets, 1)}
+    finally:
+        (gc.enable if enabled else gc.disable)()
+    assert {id(y) for y in young} <= in_young and not in_young & ours
+    assert ours <= in_old and not in_old & {id(y) for y in young}
+
+
+MANY_CYCLES = f"""
+import gc, torch
+class Node:
+    pass
+def orphan(n):
+    node = Node()
+    node.self = node
+    node.state = {{'hidden': torch.ones(n)}}
+gc.disable()
+for n in range(100, {100 + referrers.FEW + 50}):
+    orphan(n)
+"""
+
+
+def test_more_cycles_than_a_few_are_all_named_garbage(ip):
+    enabled = gc.isenabled()
+    try:
+        assert ip.run_cell(MANY_CYCLES, store_history=True).success
+        forget_paths()
+        snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+        garbage = sorted(r.bytes for r in snap.storages if r.holder_kind == "garbage")
+        assert garbage == [n * 4 for n in range(100, 100 + referrers.FEW + 50)]
+        assert {r.holder_path for r in snap.storages if r.holder_kind == "garbage"} == {"unreachable reference cycle"}
+    finally:
+        (gc.enable if enabled else gc.disable)()
+        gc.collect()
