@@ -10,7 +10,7 @@ import gc
 
 import pytest
 
-from oom_magic.heap import referrers
+from oom_magic.heap import holders, referrers
 from oom_magic.heap.holders import forget_paths
 
 
@@ -73,3 +73,32 @@ def test_more_cycles_than_a_few_are_all_named_garbage(ip):
     finally:
         (gc.enable if enabled else gc.disable)()
         gc.collect()
+
+
+LIBRARY = """
+import torch
+FLAT = torch.ones(40)
+NESTED = {'k': torch.ones(41)}
+DEEP = [[torch.ones(42)]]
+"""
+
+
+def test_library_held_tensors_chains_climb_together_one_pass_a_hop(ip, tmp_path, monkeypatch):
+    """Three tensors a library's globals hold, 1 to 3 hops deep: each named by its own chain, the
+    chains climbing side by side (one heap pass a hop, not one a tensor and hop)."""
+    library = tmp_path / "elsewhere"
+    library.mkdir()
+    (library / "libchains.py").write_text(LIBRARY)
+    monkeypatch.syspath_prepend(str(library))
+    monkeypatch.delitem(__import__("sys").modules, "libchains", raising=False)
+    assert ip.run_cell("import torch\nimport libchains", store_history=True).success
+    forget_paths()
+    calls: list[int] = []
+    real = holders.referrers_of
+    monkeypatch.setattr(holders, "referrers_of", lambda targets: calls.append(len(targets)) or real(targets))
+    snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+    other = {r.holder_path: r.bytes for r in snap.storages if r.holder_kind == "other"}
+    assert other["libchains.FLAT"] == 160
+    assert other["libchains.NESTED['k']"] == 164
+    assert other["libchains.DEEP[0][0]"] == 168
+    assert calls == [3, 2, 1]  # a hop for all the chains still climbing
