@@ -312,9 +312,17 @@ class Walk:
                     if seg_ids[at] in wanted:
                         found(seg_ids[at], seg_parents[at])
             else:
-                for at in list(compress(range(len(seg_ids)), map(wanted.__contains__, seg_ids))):
-                    if seg_ids[at] in wanted:
-                        found(seg_ids[at], seg_parents[at])
+                hit = list(map(wanted.__contains__, seg_ids))
+                if not any(hit):
+                    continue
+                kids, ups = list(compress(seg_ids, hit)), list(compress(seg_parents, hit))
+                result.update(zip(reversed(kids), reversed(ups)))  # reversed: a child's first parent wins
+                wanted.difference_update(kids)
+                for up in set(map(id, ups)).difference(result):  # no parent sits in its child's segment
+                    if up in roots:
+                        result[up] = roots[up]
+                    else:
+                        wanted.add(up)
         return result
 
     @property
