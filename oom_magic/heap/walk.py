@@ -472,7 +472,7 @@ class Walk:
             new, keep = set(), None
         else:
             new = set(compress(ids, map(operator.not_, once))).difference(self.visited)
-            keep = list(map(operator.or_, once, map(new.__contains__, ids)))
+            keep = list(map(operator.or_, once, map(new.__contains__, ids))) if new else once
         self.visited.update(new)
         if keep is not None:
             ids, parents = list(compress(ids, keep)), list(compress(parents, keep))
