@@ -69,7 +69,8 @@ class Attribution:
 _REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
 _REMEMBER_LIMIT = 1_000_000
 # Steps that resolve() can re-read; a path with any other step is walked again each time.
-_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad", "run"})
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad", "run",
+                         "pandas"})
 
 
 def instance_dict(obj: object) -> dict:
