@@ -295,22 +295,21 @@ class Walk:
             elif i in self.visited and i not in self._skip:
                 wanted.add(i)
 
-        def found(i: int, parent: Any) -> None:
-            result[i] = parent
-            wanted.discard(i)
-            up = id(parent)
-            if up in roots:
-                result[up] = roots[up]
-            elif up not in result:
-                wanted.add(up)
-
         for seg_ids, seg_parents, chained in reversed(self._segments):
             if not wanted:
                 break
-            if chained:
+            if chained:  # a deep chain: one parent after another, inline (200,000 calls cost more)
                 for at in range(len(seg_ids) - 1, -1, -1):
-                    if seg_ids[at] in wanted:
-                        found(seg_ids[at], seg_parents[at])
+                    i = seg_ids[at]
+                    if i in wanted:
+                        parent = seg_parents[at]
+                        result[i] = parent
+                        wanted.discard(i)
+                        up = id(parent)
+                        if up in roots:
+                            result[up] = roots[up]
+                        elif up not in result:
+                            wanted.add(up)
             else:
                 hit = list(map(wanted.__contains__, seg_ids))
                 if not any(hit):
