@@ -5,7 +5,8 @@ no Python code of the user's ever runs and every holder is reached (deques, lru 
 ``functools.partial``, closures, slots, C extension containers) without per-type code. It
 works a level at a time in bulk C-level passes (``map``, ``compress``, set difference on ids),
 keeps the id of each object visited and, in the order reached, its parent; it never hashes or compares a
-user's object or type: membership is by ``id``.
+user's object or type: membership is by ``id``. An object whose reference count says its one owner
+alone holds it (most of a heap) can be reached no other way: it is kept with no visited lookup.
 
 Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
 through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
