@@ -356,7 +356,8 @@ class Walk:
         that holds it (the same length)."""
         cats = self._cats
         tids = list(map(id, map(type, level)))
-        unknown = set(tids).difference(cats)
+        present_types = set(tids)
+        unknown = present_types.difference(cats)
         if unknown:
             for obj in level:
                 tid = id(type(obj))
@@ -366,8 +367,9 @@ class Walk:
                     unknown.discard(tid)
                     if not unknown:
                         break
-        kinds = list(map(cats.__getitem__, tids))
-        present = set(kinds)
+        present = set(map(cats.__getitem__, present_types))
+        # Each object's kind only where a slice mixes kinds (a level of one type needs no second pass).
+        kinds = list(map(cats.__getitem__, tids)) if len(present) > 1 else []
         kids: list[Any] = []
         parents: list[Any] = []
         once: list[bool] = []
