@@ -109,7 +109,7 @@ def _verify(live: LiveTensors, refs: tuple[weakref.ref, ...], ids: frozenset[int
 
 
 def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
-                      budget_seconds: float = 2.0) -> set[int]:
+                      budget_seconds: float = 2.0, referrers: dict[int, list[Any]] | None = None) -> set[int]:
     """Storages whose tensors sit in unreachable reference cycles, found without collecting.
 
     A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
@@ -117,6 +117,10 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
     something outside the ancestor set refers to it (its refcount exceeds the references from
     inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
     objects count as reachable, so a tensor is never called garbage by mistake.
+
+    ``referrers`` (given): filled with id(object) -> every object referring to it, in the heap's
+    order, for each object whose referrers the whole heap was searched for or whose one reference
+    comes from another ancestor (a chain climbs them again).
     """
     deadline = time.perf_counter() + budget_seconds
     keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
@@ -127,6 +131,7 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
     index = {id(o): i for i, o in enumerate(ancestors)}
     external: set[int] = set()
     frontier = list(range(len(ancestors)))  # indices into ancestors: the objects to climb from
+    order: dict[int, list[int]] = {}  # id(object) -> ids of its referrers in the heap's order
     while frontier:
         if len(ancestors) > budget_objects or time.perf_counter() > deadline:
             external.update(id(ancestors[i]) for i in frontier)
@@ -139,6 +144,8 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
             found = referrers_of(targets, generation)
             targets.clear()
             ignore = {id(ancestors), id(targets), id(live.tensors), id(index), id(found)}
+            if referrers is not None and generation is None:
+                _note_order(found, {id(ancestors[i]) for i in frontier}, ignore, order)
             for referrer in found:
                 if id(referrer) in ignore or id(referrer) in index:
                     continue
@@ -155,6 +162,12 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
                 break
         frontier = _unexplained(ancestors, index, new)
     marked = _reachable_ancestors(ancestors, index, external)
+    if referrers is not None:
+        sole = _sole_referrers(ancestors, index)
+        # The counts are read: references may be kept now.
+        referrers.update((oid, [ancestors[index[r]] for r in ids]) for oid, ids in order.items())
+        for child, holder in sole.items():
+            referrers.setdefault(id(ancestors[child]), [ancestors[holder]])
     garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
     alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
     _remember([o for i, o in enumerate(ancestors) if i not in marked], garbage - alive)
@@ -162,6 +175,33 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
     ancestors.clear()
     # A storage is garbage only when every tensor viewing it is.
     return garbage - alive
+
+
+def _note_order(found: list[Any], searched: set[int], ignore: set[int], order: dict[int, list[int]]) -> None:
+    """Append each referrer's id, in the heap's order, to the list of every searched object it refers to."""
+    for referrer in found:
+        if id(referrer) not in ignore:
+            for child in gc.get_referents(referrer):
+                if id(child) in searched:
+                    order.setdefault(id(child), []).append(id(referrer))
+
+
+def _sole_referrers(ancestors: list[Any], index: dict[int, int]) -> dict[int, int]:
+    """Ancestor -> the one ancestor that refers to it, where that one reference is all it has (no
+    search was needed: its referrers are known, and their order too)."""
+    holder_of: dict[int, int] = {}
+    twice: set[int] = set()
+    for at, holder in enumerate(ancestors):
+        for child in gc.get_referents(holder):
+            i = index.get(id(child))
+            if i is not None:
+                if i in holder_of:
+                    twice.add(i)
+                else:
+                    holder_of[i] = at
+    holder = child = None  # loop variables would add to the refcounts read below
+    # getrefcount's own argument and the ancestors list are the two references we hold.
+    return {i: at for i, at in holder_of.items() if i not in twice and sys.getrefcount(ancestors[i]) - 2 == 1}
 
 
 def _unexplained(ancestors: list[Any], index: dict[int, int], which: list[int]) -> list[int]:

@@ -142,13 +142,17 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if stale_objects and not user_exhausted and any(h.kind in (OUTPUT_CACHE, TRACEBACK) for h in holders.values()):
         user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
     unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
-    if unclaimed and find_garbage:
-        for key in garbage_storages(live, unclaimed):
-            holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
-        unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
-    if unclaimed and trace_other:
-        for key, path in _referrer_chains(live, unclaimed).items():
-            holders.setdefault(key, Holder(OTHER, path, "referrers"))
+    known: dict[int, list[Any]] = {}  # the garbage search's referrers, climbed again by the chains
+    try:
+        if unclaimed and find_garbage:
+            for key in garbage_storages(live, unclaimed, referrers=known if trace_other else None):
+                holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
+            unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
+        if unclaimed and trace_other:
+            for key, path in _referrer_chains(live, unclaimed, known=known).items():
+                holders.setdefault(key, Holder(OTHER, path, "referrers"))
+    finally:
+        known.clear()
     del unclaimed
     return Attribution(holders, complete, nodes, frozenset(user_reached))
 
@@ -478,11 +482,14 @@ class _Climb:
         self.climbed.clear()
 
 
-def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5) -> dict[int, str]:
+def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
+                     known: dict[int, list[Any]] | None = None) -> dict[int, str]:
     """A short chain of referrer types and keys for tensors nothing named holds (storage key -> text).
 
     Every chain climbs at once: one heap pass per hop (``referrers_of``), not one per tensor and hop;
-    each takes its target's first referrer in ``gc.get_referrers``' order, ours and frames left out."""
+    each takes its target's first referrer in ``gc.get_referrers``' order, ours and frames left out.
+    ``known``: id(object) -> its referrers in that order, as the garbage search found them (no pass)."""
+    known = known if known is not None else {}
     by_key: dict[int, Any] = {}
     for t in unclaimed:
         by_key.setdefault(live.storage_of[id(t)], t)
@@ -492,13 +499,20 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5) 
     ours = {id(live.tensors), id(unclaimed), id(by_key), id(climbs), id(sys._getframe())}
     ours.update(map(id, climbs))
     ours.update(id(c.climbed) for c in climbs)
+    ours.update(map(id, known.values()))  # they refer to the holders a later hop climbs from
+    ours.add(id(known))
     chains: dict[int, str] = {}
     try:
         for _ in range(hops):
             going = [c for c in climbs if c.going]
             if not going:
                 break
-            holders = _first_referrers([c.target for c in going], ours)
+            holders = _first_referrers([c.target for c in going if id(c.target) not in known], ours)
+            for climb in going:
+                listed = known.get(id(climb.target))
+                if listed is not None:
+                    holders[id(climb.target)] = next(
+                        (r for r in listed if id(r) not in ours and type(r) is not types.FrameType), None)
             for climb in going:
                 try:
                     climb.step(holders.get(id(climb.target)))
@@ -525,6 +539,8 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5) 
 
 def _first_referrers(targets: list[Any], ours: set[int]) -> dict[int, Any]:
     """id(target) -> its first referrer in the heap's order that is neither ours nor a frame."""
+    if not targets:
+        return {}  # gc.get_referrers() of nothing would still read the whole heap
     found = referrers_of(targets)
     skip = ours | {id(found), id(targets)}
     wanted = set(map(id, targets))

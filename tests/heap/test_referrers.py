@@ -83,22 +83,57 @@ DEEP = [[torch.ones(42)]]
 """
 
 
-def test_library_held_tensors_chains_climb_together_one_pass_a_hop(ip, tmp_path, monkeypatch):
-    """Three tensors a library's globals hold, 1 to 3 hops deep: each named by its own chain, the
-    chains climbing side by side (one heap pass a hop, not one a tensor and hop)."""
+def test_library_held_tensors_chains_climb_together_one_pass_a_hop(tmp_path, monkeypatch):
+    """Three tensors a library's globals hold, 1 to 3 hops deep, no garbage search before (nothing
+    known): each named by its own chain, the chains climbing side by side (one heap pass a hop,
+    not one a tensor and hop)."""
+    import sys
+
+    import torch
+
+    from oom_magic.heap.roots import Roots
+    from oom_magic.heap.tracker import find_tensors, tensor_types
+
     library = tmp_path / "elsewhere"
     library.mkdir()
     (library / "libchains.py").write_text(LIBRARY)
     monkeypatch.syspath_prepend(str(library))
-    monkeypatch.delitem(__import__("sys").modules, "libchains", raising=False)
-    assert ip.run_cell("import torch\nimport libchains", store_history=True).success
+    monkeypatch.delitem(sys.modules, "libchains", raising=False)
+    libchains = __import__("libchains")
+    forget_paths()
+    calls: list[int] = []
+    real = holders.referrers_of
+    monkeypatch.setattr(holders, "referrers_of", lambda targets: calls.append(len(targets)) or real(targets))
+    live = find_tensors(torch, "cpu")
+    try:
+        found = holders.attribute(live, Roots(), torch, tensor_types(torch), find_garbage=False).holders
+    finally:
+        live.release()
+    key = torch._C._storage_address
+    assert found[key(libchains.FLAT)].path == "libchains.FLAT"
+    assert found[key(libchains.NESTED["k"])].path == "libchains.NESTED['k']"
+    assert found[key(libchains.DEEP[0][0])].path == "libchains.DEEP[0][0]"
+    # Every chain at once, one pass a hop (at most five): one a tensor and hop would be six for these alone.
+    assert calls[0] >= 3 and len(calls) <= 5
+
+
+def test_chains_climb_through_what_the_garbage_search_already_found(ip, tmp_path, monkeypatch):
+    """The library's objects old (moved to the oldest generation): the garbage search reads their
+    referrers from the whole heap, and the chains climb through those, with no heap pass of their own."""
+    library = tmp_path / "elsewhere"
+    library.mkdir()
+    (library / "liboldchains.py").write_text(LIBRARY)
+    monkeypatch.syspath_prepend(str(library))
+    monkeypatch.delitem(__import__("sys").modules, "liboldchains", raising=False)
+    assert ip.run_cell("import torch\nimport liboldchains", store_history=True).success
+    gc.collect()  # every survivor moves to the oldest generation
     forget_paths()
     calls: list[int] = []
     real = holders.referrers_of
     monkeypatch.setattr(holders, "referrers_of", lambda targets: calls.append(len(targets)) or real(targets))
     snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
     other = {r.holder_path: r.bytes for r in snap.storages if r.holder_kind == "other"}
-    assert other["libchains.FLAT"] == 160
-    assert other["libchains.NESTED['k']"] == 164
-    assert other["libchains.DEEP[0][0]"] == 168
-    assert calls == [3, 2, 1]  # a hop for all the chains still climbing
+    assert other["liboldchains.FLAT"] == 160
+    assert other["liboldchains.NESTED['k']"] == 164
+    assert other["liboldchains.DEEP[0][0]"] == 168
+    assert calls == []
