@@ -1,9 +1,9 @@
 """Find the tensors that sit in unreachable reference cycles, without collecting them; and next
 time, re-verify the garbage found last time instead of searching for it again.
 
-The search climbs the tensors' referrers (each level one ``gc.get_referrers`` pass over the
-heap) and runs the collector's own test on the ancestors found. What it finds garbage is
-remembered as the ids of the cycle's members and weak references to those that take one (no
+The search climbs the tensors' referrers (each level one pass over the heap, ``referrers_of``;
+no climb from an ancestor whose every reference comes from inside the set) and runs the
+collector's own test on the ancestors found. What it finds garbage is remembered as the ids of the cycle's members and weak references to those that take one (no
 strong reference: the collector may still free them). The next scan rebuilds the set by
 descending from those members through ``gc.get_referents``, restricted to the ids remembered,
 and runs the same test on it: a set whose every reference comes from inside it, with no root
@@ -19,12 +19,15 @@ import types
 import weakref
 from typing import Any
 
+from .referrers import referrers_of
 from .tracker import LiveTensors
 
 # The garbage found by the last searches, a group per search: weak references to its members that
 # take one, the ids of all its members, and the storages it held. Never a strong reference.
 _LAST: list[tuple[tuple[weakref.ref, ...], frozenset[int], frozenset[int]]] = []
 _GROUPS_KEPT = 8
+# Where a level's referrers are looked for, in turn: the young generations, then the whole heap.
+_GENERATIONS = (0, 1, None)
 
 
 def forget_garbage() -> None:
@@ -106,7 +109,7 @@ def _verify(live: LiveTensors, refs: tuple[weakref.ref, ...], ids: frozenset[int
 
 
 def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects: int = 20_000,
-                      budget_seconds: float = 2.0) -> set[int]:
+                      budget_seconds: float = 2.0, referrers: dict[int, list[Any]] | None = None) -> set[int]:
     """Storages whose tensors sit in unreachable reference cycles, found without collecting.
 
     A saving ``gc.collect()`` would clear the user's weakrefs and run finalizers; instead this
@@ -114,6 +117,10 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
     something outside the ancestor set refers to it (its refcount exceeds the references from
     inside), or when a reachable ancestor refers to it. Where the budget runs out, the unexplored
     objects count as reachable, so a tensor is never called garbage by mistake.
+
+    ``referrers`` (given): filled with id(object) -> every object referring to it, in the heap's
+    order, for each object whose referrers the whole heap was searched for or whose one reference
+    comes from another ancestor (a chain climbs them again).
     """
     deadline = time.perf_counter() + budget_seconds
     keys = {id(t): live.storage_of[id(t)] for t in unclaimed}
@@ -123,27 +130,44 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
     unclaimed.clear()
     index = {id(o): i for i, o in enumerate(ancestors)}
     external: set[int] = set()
-    frontier = list(ancestors)
+    frontier = list(range(len(ancestors)))  # indices into ancestors: the objects to climb from
+    order: dict[int, list[int]] = {}  # id(object) -> ids of its referrers in the heap's order
     while frontier:
         if len(ancestors) > budget_objects or time.perf_counter() > deadline:
-            external.update(id(o) for o in frontier)
+            external.update(id(ancestors[i]) for i in frontier)
             break
-        ignore = {id(ancestors), id(frontier), id(live.tensors), id(index)}
-        found = gc.get_referrers(*frontier)
-        ignore.add(id(found))
-        frontier = []
-        for referrer in found:
-            if id(referrer) in ignore or id(referrer) in index:
-                continue
-            index[id(referrer)] = len(ancestors)
-            ancestors.append(referrer)
-            if _is_root_like(referrer):
-                external.add(id(referrer))  # module globals, classes, running frames: always reachable
-            else:
-                frontier.append(referrer)
-        del found
-    referrer = None  # the loop variable would count as an outside reference
+        new: list[int] = []
+        # The young generations first (a cell's garbage is young): the older ones only for the
+        # objects something outside the set still refers to.
+        for generation in _GENERATIONS:
+            targets = [ancestors[i] for i in frontier]
+            found = referrers_of(targets, generation)
+            targets.clear()
+            ignore = {id(ancestors), id(targets), id(live.tensors), id(index), id(found)}
+            if referrers is not None and generation is None:
+                _note_order(found, {id(ancestors[i]) for i in frontier}, ignore, order)
+            for referrer in found:
+                if id(referrer) in ignore or id(referrer) in index:
+                    continue
+                index[id(referrer)] = len(ancestors)
+                ancestors.append(referrer)
+                if _is_root_like(referrer):
+                    external.add(id(referrer))  # module globals, classes, running frames: always reachable
+                else:
+                    new.append(len(ancestors) - 1)
+            del found, targets
+            referrer = None  # the loop variable would count as an outside reference
+            frontier = _unexplained(ancestors, index, frontier)
+            if not frontier:
+                break
+        frontier = _unexplained(ancestors, index, new)
     marked = _reachable_ancestors(ancestors, index, external)
+    if referrers is not None:
+        sole = _sole_referrers(ancestors, index)
+        # The counts are read: references may be kept now.
+        referrers.update((oid, [ancestors[index[r]] for r in ids]) for oid, ids in order.items())
+        for child, holder in sole.items():
+            referrers.setdefault(id(ancestors[child]), [ancestors[holder]])
     garbage = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i not in marked}
     alive = {keys[id(o)] for i, o in enumerate(ancestors) if id(o) in keys and i in marked}
     _remember([o for i, o in enumerate(ancestors) if i not in marked], garbage - alive)
@@ -153,15 +177,55 @@ def garbage_storages(live: LiveTensors, unclaimed: list[Any], *, budget_objects:
     return garbage - alive
 
 
-def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
-    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
+def _note_order(found: list[Any], searched: set[int], ignore: set[int], order: dict[int, list[int]]) -> None:
+    """Append each referrer's id, in the heap's order, to the list of every searched object it refers to."""
+    for referrer in found:
+        if id(referrer) not in ignore:
+            for child in gc.get_referents(referrer):
+                if id(child) in searched:
+                    order.setdefault(id(child), []).append(id(referrer))
+
+
+def _sole_referrers(ancestors: list[Any], index: dict[int, int]) -> dict[int, int]:
+    """Ancestor -> the one ancestor that refers to it, where that one reference is all it has (no
+    search was needed: its referrers are known, and their order too)."""
+    holder_of: dict[int, int] = {}
+    twice: set[int] = set()
+    for at, holder in enumerate(ancestors):
+        for child in gc.get_referents(holder):
+            i = index.get(id(child))
+            if i is not None:
+                if i in holder_of:
+                    twice.add(i)
+                else:
+                    holder_of[i] = at
+    holder = child = None  # loop variables would add to the refcounts read below
+    # getrefcount's own argument and the ancestors list are the two references we hold.
+    return {i: at for i, at in holder_of.items() if i not in twice and sys.getrefcount(ancestors[i]) - 2 == 1}
+
+
+def _unexplained(ancestors: list[Any], index: dict[int, int], which: list[int]) -> list[int]:
+    """Those of these ancestors some object outside the set still refers to: the climb goes on from
+    these alone (a cycle's last member, every reference to it from inside, needs no heap pass)."""
+    inside = _inside_counts(ancestors, index)
+    # getrefcount's own argument and the ancestors list are the two references we hold.
+    return [i for i in which if sys.getrefcount(ancestors[i]) - 2 > inside[i]]
+
+
+def _inside_counts(ancestors: list[Any], index: dict[int, int]) -> list[int]:
+    """How many references each ancestor has from the others (and itself)."""
     inside = [0] * len(ancestors)
     for holder in ancestors:
         for child in gc.get_referents(holder):
             i = index.get(id(child))
             if i is not None:
                 inside[i] += 1
-    holder = child = None  # loop variables would add to the refcounts read below
+    return inside
+
+
+def _reachable_ancestors(ancestors: list[Any], index: dict[int, int], external: set[int]) -> set[int]:
+    """Indices of ancestors reachable from outside the set (the collector's test, restricted to it)."""
+    inside = _inside_counts(ancestors, index)
     # getrefcount's own argument and the ancestors list are the two references we hold.
     start = [i for i in range(len(ancestors))
              if id(ancestors[i]) in external or sys.getrefcount(ancestors[i]) - 2 > inside[i]]

@@ -29,6 +29,7 @@ from .reads import MISSING, instance_attributes, mro_has, plain_dict_slot, qualn
 from .resolve import resolve
 from .garbage import forget_garbage, garbage_storages, still_garbage
 from .library import forget_library_chains, remember_chain, still_library_held
+from .referrers import referrers_of
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
            "attribute", "attribute_reachable", "forget_paths", "recheck_remembered"]
@@ -68,7 +69,8 @@ class Attribution:
 _REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
 _REMEMBER_LIMIT = 1_000_000
 # Steps that resolve() can re-read; a path with any other step is walked again each time.
-_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad", "run"})
+_RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad", "run",
+                         "pandas"})
 
 
 def instance_dict(obj: object) -> dict:
@@ -143,17 +145,21 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if stale_objects and not user_exhausted and any(h.kind in (OUTPUT_CACHE, TRACEBACK) for h in holders.values()):
         user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
     unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
-    if unclaimed and find_garbage:
-        for key in garbage_storages(live, unclaimed):
-            holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
-        unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
-    if unclaimed and trace_other:
-        for key, path in _referrer_chains(live, unclaimed).items():
-            holders.setdefault(key, Holder(OTHER, path, "referrers"))
-    elif unclaimed and find_garbage and len({live.storage_of[id(t)] for t in unclaimed}) <= _CHAINS_REMEMBERED:
-        # A few library-held storages (a Function's default argument): their chains, climbed once
-        # and remembered, spare every later cleanup the garbage search's climb (still_library_held).
-        _referrer_chains(live, unclaimed)
+    known: dict[int, list[Any]] = {}  # the garbage search's referrers, climbed again by the chains
+    try:
+        if unclaimed and find_garbage:
+            for key in garbage_storages(live, unclaimed, referrers=known):
+                holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))
+            unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
+        if unclaimed and trace_other:
+            for key, path in _referrer_chains(live, unclaimed, known=known).items():
+                holders.setdefault(key, Holder(OTHER, path, "referrers"))
+        elif unclaimed and find_garbage and len({live.storage_of[id(t)] for t in unclaimed}) <= _CHAINS_REMEMBERED:
+            # A few library-held storages (a Function's default argument): their chains, climbed from
+            # the search's referrers and remembered, spare every later cleanup its garbage search.
+            _referrer_chains(live, unclaimed, known=known)
+    finally:
+        known.clear()
     del unclaimed
     return Attribution(holders, complete, nodes, frozenset(user_reached))
 
@@ -437,62 +443,127 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         walk.release()
 
 
+_UNREADABLE = "<held by an object that could not be inspected>"
+
+
+class _Climb:
+    """One tensor's chain as it climbs: the object reached, the segments below it, how it ends."""
+
+    __slots__ = ("base", "climbed", "failed", "going", "segments", "target", "top")
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.segments: list[str] = []  # innermost first: how each holder reaches the next target
+        self.climbed: list[Any] = [target]  # innermost first
+        self.base = "<held outside Python (C++ or an untracked object)>"
+        self.top: Any = None
+        self.going = True
+        self.failed = False
+
+    def step(self, holder: Any) -> None:
+        """Climb to ``holder`` (None: nothing else refers to the target), or end at a module's globals."""
+        target = self.target
+        if holder is None:
+            self.going = False
+            return
+        if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
+            self.base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
+            module = sys.modules.get(holder["__name__"]) if type(holder["__name__"]) is str else None
+            if module is not None and getattr(module, "__dict__", None) is holder:
+                self.top = module
+                self.climbed.append(holder)
+            self.going = False
+            return
+        self.segments.append(_segment(holder, target))
+        self.base = f"<{qualname(type(holder))}>"
+        self.target = holder
+        self.climbed.append(holder)
+
+    def finish(self) -> tuple[str, Any, list[Any]]:
+        """The chain's text, its top and the objects below the top (the tensor last; none without a top)."""
+        if self.going:  # more hops than we follow
+            self.base = f"…<{qualname(type(self.target))}>"
+            self.top = self.climbed.pop()
+        below = self.climbed[::-1] if self.top is not None else []
+        return self.base + "".join(reversed(self.segments)), self.top, below
+
+    def release(self) -> None:
+        self.target = self.top = None
+        self.climbed.clear()
+
+
 def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
-                     budget_seconds: float = 2.0) -> dict[int, str]:
-    """A short chain of referrer types and keys for tensors nothing named holds."""
-    deadline = time.perf_counter() + budget_seconds
+                     known: dict[int, list[Any]] | None = None) -> dict[int, str]:
+    """A short chain of referrer types and keys for tensors nothing named holds (storage key -> text).
+
+    Every chain climbs at once: one heap pass per hop (``referrers_of``), not one per tensor and hop;
+    each takes its target's first referrer in ``gc.get_referrers``' order, ours and frames left out.
+    ``known``: id(object) -> its referrers in that order, as the garbage search found them (no pass)."""
+    known = known if known is not None else {}
     by_key: dict[int, Any] = {}
     for t in unclaimed:
         by_key.setdefault(live.storage_of[id(t)], t)
-    # Our own containers refer to the tensors too: never report them as holders.
-    ours = {id(live.tensors), id(unclaimed), id(by_key), id(sys._getframe())}
+    order = sorted(by_key, key=lambda k: -live.storages[k].bytes)
+    climbs = [_Climb(by_key[key]) for key in order]
+    # Our own containers refer to the tensors and holders too: never report them as holders.
+    ours = {id(live.tensors), id(unclaimed), id(by_key), id(climbs), id(sys._getframe())}
+    ours.update(map(id, climbs))
+    ours.update(id(c.climbed) for c in climbs)
+    ours.update(map(id, known.values()))  # they refer to the holders a later hop climbs from
+    ours.add(id(known))
     chains: dict[int, str] = {}
-    for key in sorted(by_key, key=lambda k: -live.storages[k].bytes):
-        if time.perf_counter() > deadline:
-            break
-        try:
-            text, top, below = _chain(by_key[key], ours, hops)
+    try:
+        for _ in range(hops):
+            going = [c for c in climbs if c.going]
+            if not going:
+                break
+            holders = _first_referrers([c.target for c in going if id(c.target) not in known], ours)
+            for climb in going:
+                listed = known.get(id(climb.target))
+                if listed is not None:
+                    holders[id(climb.target)] = next(
+                        (r for r in listed if id(r) not in ours and type(r) is not types.FrameType), None)
+            for climb in going:
+                try:
+                    climb.step(holders.get(id(climb.target)))
+                except Exception:  # a hostile holder on the way: said so rather than fail the snapshot
+                    climb.failed, climb.going = True, False
+            holders.clear()
+            del holders, going
+        for key, climb in zip(order, climbs):
+            if climb.failed:
+                chains[key] = _UNREADABLE
+                continue
+            text, top, below = climb.finish()
             chains[key] = text
             if top is not None:
                 remember_chain(key, top, below, text)
             top = None
             below.clear()
-        except Exception:  # a hostile holder on the way: say so rather than fail the snapshot
-            chains[key] = "<held by an object that could not be inspected>"
+    finally:
+        for climb in climbs:
+            climb.release()
+        by_key.clear()
     return chains
 
 
-def _chain(target: Any, ours: set[int], hops: int) -> tuple[str, Any, list[Any]]:
-    """The Python path from the nearest module global (or outermost holder) down to ``target``;
-    and the chain's top with the objects below it (the target last), None where it has no top."""
-    segments: list[str] = []  # innermost first: how each holder reaches the next target
-    climbed: list[Any] = [target]  # innermost first
-    ours.add(id(climbed))  # it refers to the holders too: never one of them
-    base = "<held outside Python (C++ or an untracked object)>"
-    top: Any = None
-    for _ in range(hops):
-        referrers = [r for r in gc.get_referrers(target)
-                     if id(r) not in ours and type(r) is not types.FrameType]
-        if not referrers:
-            break
-        holder = referrers[0]
-        ours.add(id(referrers))
-        if type(holder) is dict and "__name__" in holder and "__spec__" in holder:
-            base = f"{holder['__name__']}.{_key_of(holder, target)}"  # a library global
-            module = sys.modules.get(holder["__name__"]) if type(holder["__name__"]) is str else None
-            if module is not None and getattr(module, "__dict__", None) is holder:
-                top = module
-                climbed.append(holder)
-            break
-        segments.append(_segment(holder, target))
-        base = f"<{qualname(type(holder))}>"
-        target = holder
-        climbed.append(holder)
-    else:
-        base = f"…<{qualname(type(target))}>"  # more hops than we follow
-        top = climbed.pop()
-    below = climbed[::-1] if top is not None else []
-    return base + "".join(reversed(segments)), top, below
+def _first_referrers(targets: list[Any], ours: set[int]) -> dict[int, Any]:
+    """id(target) -> its first referrer in the heap's order that is neither ours nor a frame."""
+    if not targets:
+        return {}  # gc.get_referrers() of nothing would still read the whole heap
+    found = referrers_of(targets)
+    skip = ours | {id(found), id(targets)}
+    wanted = set(map(id, targets))
+    first: dict[int, Any] = {}
+    for referrer in found:
+        if id(referrer) in skip or type(referrer) is types.FrameType:
+            continue
+        for child in gc.get_referents(referrer):
+            if id(child) in wanted and id(child) not in first:
+                first[id(child)] = referrer
+    found.clear()
+    targets.clear()
+    return first
 
 
 _SHOWN_KEYS = (str, int, float, bool, bytes, type(None))

@@ -166,6 +166,8 @@ class Namer:
         climbed: list[int] = []
         node = obj_id
         length = 0
+        last: type | None = None  # a list's nodes share one type: its reader is looked up once
+        reader: Any = None
         while True:
             known = runs.get(node)
             if known is not None and known[0] == name:
@@ -175,10 +177,12 @@ class Namer:
             if up is None or type(up) is Root:
                 break
             cls = type(up)
-            reader = readers.get((id(cls), name), MISSING)
-            if reader is MISSING:
-                reader = readers[(id(cls), name)] = attribute_reader(cls, name)
-                self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
+            if cls is not last:
+                reader = readers.get((id(cls), name), MISSING)
+                if reader is MISSING:
+                    reader = readers[(id(cls), name)] = attribute_reader(cls, name)
+                    self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
+                last = cls
             try:
                 if reader is None or id(reader(up)) != node:
                     break

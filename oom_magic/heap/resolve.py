@@ -13,7 +13,8 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = No
     """Follow remembered steps from ``obj`` with C-level reads; MISSING where a step no longer holds.
 
     Only steps that can be re-read without running code are followed (plain dict keys, indexes,
-    instance attributes and slots, closure cells, set members and object-array items by position);
+    instance attributes and slots, closure cells, set members and object-array items by position,
+    a DataFrame column's item through pandas' own attributes, library code);
     any other step fails, so the caller walks. ``items``: id(container) -> (container, its items),
     shared by the paths checked in one scan (a set is listed once, not once per path); the caller
     clears it. ``variables``: name -> object, for a dict value keyed by an object that has a path of
@@ -78,6 +79,8 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = No
             obj = _follow_run(obj, step[1], step[2], items)
         elif tag == "grad":
             obj = _tensor_grad(obj)
+        elif tag == "pandas":
+            obj = _frame_item(obj, step[1], step[2])
         elif tag == "member" or tag == "flat":
             listed = _listed(obj, tag, items)
             if listed is None or not 0 <= step[1] < len(listed):
@@ -102,6 +105,26 @@ def resolve(obj: Any, steps: tuple[Step, ...], items: dict[Any, Any] | None = No
         if obj is MISSING:
             return MISSING
     return MISSING if pending_attr else obj
+
+
+def _frame_item(frame: Any, label: Any, row: int) -> Any:
+    """``frame[label].iloc[row]`` read from the frame's block of objects, through pandas' own
+    attributes (library code, an exact DataFrame only, as ``names`` reads it); MISSING on any doubt."""
+    pandas, numpy = sys.modules.get("pandas"), sys.modules.get("numpy")
+    if pandas is None or numpy is None or type(frame) is not getattr(pandas, "DataFrame", None) \
+            or not is_plain_key(label) or type(row) is not int:
+        return MISSING
+    try:
+        loc = frame.columns.get_loc(label)
+        if type(loc) is not int:  # a label twice: a slice or a mask, no single column
+            return MISSING
+        manager = frame._mgr
+        array = manager.blocks[int(manager.blknos[loc])].values
+        if type(array) is not numpy.ndarray or array.ndim != 2 or not 0 <= row < array.shape[1]:
+            return MISSING
+        return numpy.ndarray.__getitem__(array, (int(manager.blklocs[loc]), row))
+    except Exception:
+        return MISSING
 
 
 # Along a run (a linked list's .next ×199,600) the object every this many links is kept for the scan.

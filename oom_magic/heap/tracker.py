@@ -189,9 +189,14 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         # once. On the cpu such a base is a file mapping (safetensors maps the whole file, then
         # views each tensor's range) that the views keep alive from C++: its other bytes are file
         # pages, not memory anything uses, and freeing them is freeing the views: not counted.
-        counted = _Ranges((g[5], g[1], g[0]) for g in groups.values() if g[5]) if bare_storages else None
+        # Reading a tensor's storage leaves that storage's object alive (torch keeps it while the
+        # tensor lives): one per counted storage after a scan, skipped by its key before other reads.
+        counted: _Ranges | None = None
         for storage in bare_storages:
             try:
+                key = int(reader.cdata(storage))
+                if key in groups or key in claimed:
+                    continue
                 key, nbytes, where = reader.bare_storage(storage, device_names)
             except Exception:
                 counts[1] += 1
@@ -200,9 +205,11 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
                 address = reader.data_ptr(storage) if nbytes else 0
             except Exception:
                 continue  # no data of its own (a wrapper subclass's storage): no bytes to count
-            if key in groups or key in claimed or not nbytes or (device is not None and where != device):
+            if not nbytes or (device is not None and where != device):
                 continue
-            covered = counted.overlap(address, nbytes, where) if address and counted is not None else 0
+            if counted is None:
+                counted = _Ranges((g[5], g[1], g[0]) for g in groups.values() if g[5])
+            covered = counted.overlap(address, nbytes, where) if address else 0
             nbytes = 0 if covered and where == "cpu" else nbytes - covered
             if nbytes <= 0:
                 continue

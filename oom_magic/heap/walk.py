@@ -5,7 +5,8 @@ no Python code of the user's ever runs and every holder is reached (deques, lru 
 ``functools.partial``, closures, slots, C extension containers) without per-type code. It
 works a level at a time in bulk C-level passes (``map``, ``compress``, set difference on ids),
 keeps the id of each object visited and, in the order reached, its parent; it never hashes or compares a
-user's object or type: membership is by ``id``.
+user's object or type: membership is by ``id``. An object whose reference count says its one owner
+alone holds it (most of a heap) can be reached no other way: it is kept with no visited lookup.
 
 Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
 through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
@@ -30,7 +31,7 @@ import time
 import types
 from itertools import chain, compress, count, islice, repeat
 from typing import Any
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from ..records.snapshot import HolderKind
 from .reads import array_items, deque_type, function_dict, mro_has, type_mro
@@ -51,6 +52,26 @@ _TIE_ORDER = {DICT: 0, SEQ: 1, FRAME: 2, FUNCTION: 3, NDARRAY: 4, GENERIC: 5, LA
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
 NARROW = 4
+
+
+def _counts(lists: list[list[Any]]) -> Iterator[int]:
+    return map(sys.getrefcount, chain.from_iterable(lists))
+
+
+def _held_once(lists: list[list[Any]]) -> list[bool]:
+    """For each object in these lists, whether the one list it sits in and one owner are all that hold it."""
+    return list(map(_ONCE.__eq__, _counts(lists)))
+
+
+def _once_count() -> int:
+    owner = [object()]  # the only reference to the object: as a referent list from one owner
+    return next(_counts([gc.get_referents(owner)]))
+
+
+# The reference count an object held by one owner has while it sits in one referent list. Such an
+# object is reached through that owner alone, so the walk needs no visited entry for it (most of a
+# heap); free-threaded builds count references per thread: every object is looked up there.
+_ONCE = _once_count() if getattr(sys, "_is_gil_enabled", lambda: True)() else -1
 
 _SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
                types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
@@ -116,7 +137,9 @@ class Walk:
         numpy = sys.modules.get("numpy")
         self.ndarray: Any = getattr(numpy, "ndarray", None)  # numpy.ndarray, or None without numpy
         self._nd_id = id(self.ndarray) if self.ndarray is not None else -1
-        self._skip = frozenset(map(id, skip))
+        # Held while walking: a skipped object or a root is never taken for one held by one owner alone.
+        self._pinned: list[Any] = list(skip)
+        self._skip = frozenset(map(id, self._pinned))
         self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
         self.roots: dict[int, Root] = {}
         # (ids, their parents, whether a parent may sit in the same segment): a parent is always
@@ -152,6 +175,7 @@ class Walk:
             if id(obj) not in visited:
                 visited.add(id(obj))
                 self.roots[id(obj)] = Root(kind, name)
+                self._pinned.append(obj)
                 self._level.append(obj)
                 self._note_wanted((id(obj),))
         self.exhausted = False
@@ -161,9 +185,9 @@ class Walk:
         while self.complete and not self.done:
             if not self._level and self._later:
                 later, self._later = self._later, []
-                kids, parents = self._expand(later, defer=False)
-                self._level = self._mark(kids, parents)
-                del kids, parents, later
+                kids, parents, once = self._expand(later, defer=False)
+                self._level = self._mark(kids, parents, once)
+                del kids, parents, once, later
                 continue
             if not self._level and self._big:
                 # Huge containers last: ten million records must not starve the model beside them.
@@ -185,17 +209,19 @@ class Walk:
                 continue
             following = []
             for start in range(0, len(level), SLICE):
-                kids, parents = self._expand(level[start:start + SLICE])
-                stop = self._mark_slices(kids, parents, following)
-                del kids, parents
+                kids, parents, once = self._expand(level[start:start + SLICE])
+                stop = self._mark_slices(kids, parents, once, following)
+                del kids, parents, once
                 if stop:
                     break
             self._level = following
 
-    def _mark_slices(self, kids: list[Any], parents: list[Any], following: list[Any]) -> bool:
+    def _mark_slices(self, kids: list[Any], parents: list[Any], once: list[bool] | None,
+                     following: list[Any]) -> bool:
         """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
         for at in range(0, len(kids), SLICE):
-            following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE]))
+            part = once[at:at + SLICE] if once is not None else None
+            following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE], part))
             if self._out_of_budget() or self.done:
                 return True
         return False
@@ -220,14 +246,14 @@ class Walk:
                 what = cats.get(id(type(obj)))
                 if what != GENERIC:
                     flush()  # the bulk passes append segments of their own: keep parents first
-                    kids, parents = self._expand([obj])
-                    if self._mark_slices(kids, parents, following):
+                    kids, parents, once = self._expand([obj])
+                    if self._mark_slices(kids, parents, once, following):
                         return following
                     continue
                 kids = gc.get_referents(obj)
                 if len(kids) > 64:  # one big container: bulk passes, a slice at a time, on the clock
                     flush()
-                    if self._mark_slices(kids, [obj] * len(kids), following):
+                    if self._mark_slices(kids, [obj] * len(kids), None, following):
                         return following
                     continue
                 for kid in kids:
@@ -270,26 +296,33 @@ class Walk:
             elif i in self.visited and i not in self._skip:
                 wanted.add(i)
 
-        def found(i: int, parent: Any) -> None:
-            result[i] = parent
-            wanted.discard(i)
-            up = id(parent)
-            if up in roots:
-                result[up] = roots[up]
-            elif up not in result:
-                wanted.add(up)
-
         for seg_ids, seg_parents, chained in reversed(self._segments):
             if not wanted:
                 break
-            if chained:
+            if chained:  # a deep chain: one parent after another, inline (200,000 calls cost more)
                 for at in range(len(seg_ids) - 1, -1, -1):
-                    if seg_ids[at] in wanted:
-                        found(seg_ids[at], seg_parents[at])
+                    i = seg_ids[at]
+                    if i in wanted:
+                        parent = seg_parents[at]
+                        result[i] = parent
+                        wanted.discard(i)
+                        up = id(parent)
+                        if up in roots:
+                            result[up] = roots[up]
+                        elif up not in result:
+                            wanted.add(up)
             else:
-                for at in list(compress(range(len(seg_ids)), map(wanted.__contains__, seg_ids))):
-                    if seg_ids[at] in wanted:
-                        found(seg_ids[at], seg_parents[at])
+                hit = list(map(wanted.__contains__, seg_ids))
+                if not any(hit):
+                    continue
+                kids, ups = list(compress(seg_ids, hit)), list(compress(seg_parents, hit))
+                result.update(zip(reversed(kids), reversed(ups)))  # reversed: a child's first parent wins
+                wanted.difference_update(kids)
+                for up in set(map(id, ups)).difference(result):  # no parent sits in its child's segment
+                    if up in roots:
+                        result[up] = roots[up]
+                    else:
+                        wanted.add(up)
         return result
 
     @property
@@ -300,6 +333,7 @@ class Walk:
         """Drop every reference the walk holds (parents, queues): nothing is pinned after a scan."""
         self.visited.clear()
         self.roots.clear()
+        self._pinned.clear()
         self._segments.clear()
         self.found.clear()
         self.met.clear()
@@ -317,11 +351,13 @@ class Walk:
             self.complete = False
         return not self.complete
 
-    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], list[Any]]:
-        """What one slice of a level refers to, and the parent of each (the same length)."""
+    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], list[Any], list[bool]]:
+        """What one slice of a level refers to, the parent of each, and whether that parent is all
+        that holds it (the same length)."""
         cats = self._cats
         tids = list(map(id, map(type, level)))
-        unknown = set(tids).difference(cats)
+        present_types = set(tids)
+        unknown = present_types.difference(cats)
         if unknown:
             for obj in level:
                 tid = id(type(obj))
@@ -331,10 +367,12 @@ class Walk:
                     unknown.discard(tid)
                     if not unknown:
                         break
-        kinds = list(map(cats.__getitem__, tids))
-        present = set(kinds)
+        present = set(map(cats.__getitem__, present_types))
+        # Each object's kind only where a slice mixes kinds (a level of one type needs no second pass).
+        kinds = list(map(cats.__getitem__, tids)) if len(present) > 1 else []
         kids: list[Any] = []
         parents: list[Any] = []
+        once: list[bool] = []
         # Ties go to what is named by a key or index: a dict's values before generic referents.
         for what in sorted(present, key=_TIE_ORDER.__getitem__):
             objs = level if len(present) == 1 else list(compress(level, map(what.__eq__, kinds)))
@@ -342,13 +380,13 @@ class Walk:
                 self._later.extend(objs)
             elif what == GENERIC or what == LATER:
                 lists = list(map(gc.get_referents, objs))
-                self._extend(kids, parents, objs, lists)
+                self._extend(kids, parents, once, objs, lists)
             elif what == SEQ:
                 if max(map(len, objs)) > SLICE:  # a huge container is read a slice at a time, on the clock
                     self._big.extend(o for o in objs if len(o) > SLICE)
                     objs = [o for o in objs if len(o) <= SLICE]
                 lists = list(map(gc.get_referents, objs))
-                self._extend(kids, parents, objs, lists)
+                self._extend(kids, parents, once, objs, lists)
             elif what == DICT:
                 if self._wrapper_dicts and defer:
                     self._later.extend(d for d in objs if id(d) in self._wrapper_dicts)
@@ -359,24 +397,24 @@ class Walk:
                     self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
                     objs = [d for d in objs if dict.__len__(d) <= SLICE]
                 lists = list(map(list, map(dict.values, objs)))
-                self._extend(kids, parents, objs, lists)
+                self._extend(kids, parents, once, objs, lists)
                 if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, objs)))):
                     self._defer_keys(objs)
             elif what == FUNCTION:
                 lists = [[c for c in (f.__closure__, f.__defaults__, f.__kwdefaults__,
                                       function_dict(f)) if c is not None] for f in objs]
-                self._extend(kids, parents, objs, lists)
+                self._extend(kids, parents, once, objs, lists)
                 # functools.wraps copies the wrapped object's __dict__ into the wrapper's (torch.compile
                 # wraps the model: `cm.forward._modules`): entered last, after the object's own names.
                 self._wrapper_dicts.update(id(d) for f in objs if (d := function_dict(f)) is not None
                                            and "__wrapped__" in d)
             elif what == FRAME:
                 lists = [self._frame_locals(f) for f in objs]
-                self._extend(kids, parents, objs, lists)
+                self._extend(kids, parents, once, objs, lists)
             elif what == NDARRAY:
                 lists = [array_items(a, self.ndarray) for a in objs]
-                self._extend(kids, parents, objs, lists)
-        return kids, parents
+                self._extend(kids, parents, once, objs, lists)
+        return kids, parents, once
 
     def _defer_keys(self, dicts: list[Any]) -> None:
         """Queue the tracked keys of these dicts: walked after every value (an optimizer's state keys)."""
@@ -398,42 +436,60 @@ class Walk:
                 part = list(islice(it, SLICE))
                 if not part:
                     break
-                following.extend(self._mark(part, [obj] * len(part)))
+                following.extend(self._mark(part, [obj] * len(part), _held_once([part])))
                 if self._out_of_budget() or self.done:
                     return True
         return False
 
     @staticmethod
-    def _extend(kids: list[Any], parents: list[Any], objs: list[Any], lists: list[list[Any]]) -> None:
+    def _extend(kids: list[Any], parents: list[Any], once: list[bool], objs: list[Any],
+                lists: list[list[Any]]) -> None:
+        once.extend(_held_once(lists))  # first: the counts read are those of the lists alone
         kids.extend(chain.from_iterable(lists))
         parents.extend(chain.from_iterable(map(repeat, objs, map(len, lists))))
 
-    def _mark(self, kids: list[Any], parents: list[Any]) -> list[Any]:
-        """Keep the tracked children (and untracked object arrays) not reached before; record parents."""
+    def _mark(self, kids: list[Any], parents: list[Any], once: list[bool] | None = None) -> list[Any]:
+        """Keep the tracked children (and untracked object arrays) not reached before; record parents.
+
+        ``once``: for each child, whether its parent alone holds it (never reached another way, so
+        not looked up in ``visited`` nor added to it); None: every child is looked up.
+        """
         mask = list(map(gc.is_tracked, kids))
         if not all(mask):
-            nd_id = self._nd_id
-            if nd_id != -1 and nd_id in set(map(id, map(type, compress(kids, map(operator.not_, mask))))):
-                # numpy arrays are not gc-tracked: keep the ones among the children (by type id).
-                for i in compress(count(), map(nd_id.__eq__, map(id, map(type, kids)))):
+            ndarray = self.ndarray
+            if ndarray is not None and any(map(operator.is_, map(type, compress(kids, map(operator.not_, mask))),
+                                               repeat(ndarray))):
+                # numpy arrays are not gc-tracked: keep the ones among the children (by type).
+                for i in compress(count(), map(operator.is_, map(type, kids), repeat(ndarray))):
                     mask[i] = True
             kids = list(compress(kids, mask))
             parents = list(compress(parents, mask))
+            if once is not None:
+                once = list(compress(once, mask))
         ids = list(map(id, kids))
-        new = set(ids).difference(self.visited)  # iterates the slice, not everything visited
-        if not new:
-            return []
+        if once is None or not any(once):
+            new = set(ids).difference(self.visited)  # iterates the slice, not everything visited
+            keep: list[bool] | None = list(map(new.__contains__, ids))
+        elif all(once):
+            new, keep = set(), None
+        else:
+            new = set(compress(ids, map(operator.not_, once))).difference(self.visited)
+            keep = list(map(operator.or_, once, map(new.__contains__, ids))) if new else once
         self.visited.update(new)
-        keep = list(map(new.__contains__, ids))
-        self._segments.append((list(compress(ids, keep)), list(compress(parents, keep)), False))
-        self.nodes += len(new)
-        level = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
+        if keep is not None:
+            ids, parents = list(compress(ids, keep)), list(compress(parents, keep))
+            kids = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
+        if not ids:
+            return []
+        self._segments.append((ids, parents, False))
+        self.nodes += len(ids)
         if self.wanted:
-            self._note_wanted(new)
+            self._note_wanted(ids)
         if self.collect is not None:
-            tensors = list(compress(level, map(self.collect.__contains__, map(id, map(type, level)))))
+            tensors = list(compress(kids, map(self.collect.__contains__, map(id, map(type, kids)))))
+            self.visited.update(map(id, tensors))  # looked up when naming
             self.met.extend(tensors)
-        return level
+        return kids
 
     def _note_wanted(self, ids: Iterable[int]) -> None:
         if not self.wanted:

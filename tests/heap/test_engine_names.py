@@ -112,6 +112,26 @@ def test_pandas_object_column():
     _named_twice("df['emb'].iloc[1]", df["emb"].iloc[1], df=df)
 
 
+def test_a_pandas_columns_items_are_re_read_not_walked_again(monkeypatch):
+    """The next scan re-reads ``df['emb'].iloc[i]`` from the frame's block (no walk); a frame
+    whose rows moved is walked again and named by its new rows."""
+    pd = pytest.importorskip("pandas")
+    from oom_magic.heap import walk
+
+    df = pd.DataFrame({"id": range(6), "name": list("abcdef"),
+                       "emb": [torch.ones(i + 1) for i in range(6)], "mask": [torch.zeros(9 + i) for i in range(6)]})
+    forget_paths()
+    first = _paths(df=df)
+    walks = []
+    real_run = walk.Walk.run
+    monkeypatch.setattr(walk.Walk, "run", lambda self: walks.append(1) or real_run(self))
+    assert _paths(df=df) == first and walks == []
+    assert first[_key(df["emb"].iloc[4])] == "df['emb'].iloc[4]" and first[_key(df["mask"].iloc[2])] == "df['mask'].iloc[2]"
+    moved = df.iloc[::-1].reset_index(drop=True)
+    again = _paths(df=moved)
+    assert walks and again[_key(moved["emb"].iloc[0])] == "df['emb'].iloc[0]"  # the tensor df['emb'].iloc[5] was
+
+
 def test_lru_cache_named_by_the_function_with_its_hint():
     @functools.lru_cache(maxsize=None)
     def cached(n: int) -> torch.Tensor:

@@ -180,11 +180,11 @@ def test_ctrl_c_during_a_scan_pins_nothing(ip, monkeypatch):
     real_mark = walk_module.Walk._mark
     hit = []
 
-    def interrupted(self, kids, parents):
+    def interrupted(self, kids, parents, *once):
         if not hit:
             hit.append(1)
             raise KeyboardInterrupt
-        return real_mark(self, kids, parents)
+        return real_mark(self, kids, parents, *once)
 
     monkeypatch.setattr(walk_module.Walk, "_mark", interrupted)
     forget_paths()

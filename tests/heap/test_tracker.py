@@ -221,3 +221,17 @@ def test_a_mapped_file_and_the_tensors_viewing_it_count_each_byte_once(tmp_path)
     assert in_file() == [2_000_000]
     del staged["b"]
     assert in_file() == []  # nothing views the file any more: the mapping is gone with them
+
+
+def test_the_storage_objects_a_scan_leaves_alive_change_nothing_the_next_scan_counts():
+    """Reading a tensor's storage leaves torch's storage object alive beside it: the next scan finds
+    one per storage on the heap, skips each (its tensor counts it), and counts the same bytes."""
+    tensors = [torch.ones(10 + i) for i in range(50)]
+    alone = torch.ones(30).untyped_storage()  # a storage held on its own: counted by itself
+    first, _ = _scan(tensors=tensors, alone=alone)
+    left = sum(1 for o in gc.get_objects() if type(o) is torch.UntypedStorage)
+    again, _ = _scan(tensors=tensors, alone=alone)
+    assert left >= len(tensors) + 1  # the objects this test is about are really there
+    assert again == first
+    assert {first[_key(t)].bytes for t in tensors} == {(10 + i) * 4 for i in range(50)}
+    assert first[alone._cdata].bytes == 120 and first[alone._cdata].tensor_count == 0
