@@ -112,9 +112,10 @@ def test_pandas_object_column():
     _named_twice("df['emb'].iloc[1]", df["emb"].iloc[1], df=df)
 
 
-def test_a_pandas_columns_items_are_re_read_not_walked_again(monkeypatch):
+def test_a_pandas_columns_items_are_re_read_not_walked_again(monkeypatch, fresh_heap):
     """The next scan re-reads ``df['emb'].iloc[i]`` from the frame's block (no walk); a frame
-    whose rows moved is walked again and named by its new rows."""
+    whose rows moved is walked again and named by its new rows. On a heap of its own (fresh_heap): a
+    tensor an earlier test left behind would be looked for by a walk on every scan."""
     pd = pytest.importorskip("pandas")
     from oom_magic.heap import walk
 
