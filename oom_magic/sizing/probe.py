@@ -126,7 +126,15 @@ if split_usable and not lora_r:
             splits = [split(split_gpus)] if split_gpus > 1 else []
             if not (splits and fits(splits[0])):
                 # no split fits on fewer GPUs than the weights and the cache need added up
-                for count in range(max(split_gpus + 1, 2, -(-(split_weights + peak) // split_usable)), MOST_GPUS + 1):
+                counts = range(max(split_gpus + 1, 2, -(-(split_weights + peak) // split_usable)), MOST_GPUS + 1)
+                # a decoder layer is never split, so one whose weights and cache alone pass a GPU fits on
+                # no count: only the most GPUs is tried (the answer, with one map instead of one per count)
+                prefixes = [n + "." for n in names]
+                alone = [sum(t.numel() * t.element_size() for n, t in tensors if n.startswith(prefix))
+                         + max(layer_prompt[i], layer_context[i]) for i, prefix in enumerate(prefixes)]
+                if counts and max(alone, default=0) + transient > split_usable:
+                    counts = range(MOST_GPUS, MOST_GPUS + 1)
+                for count in counts:
                     splits.append(split(count))
                     if fits(splits[-1]):
                         break

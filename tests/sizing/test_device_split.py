@@ -12,9 +12,6 @@ the map puts modules on, since the forward peaks inside a layer on each GPU in t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from oom_magic.fit.job_fit import job_fit
 from oom_magic.fit.targets import parse_target
 from oom_magic.records.job import Job
 from oom_magic.sizing.parts import size_job
+from tests.fit.command import fit_here
 from tests.sizing.families import FAMILIES, cache_storage_bytes
 
 torch = pytest.importorskip("torch")
@@ -33,7 +31,6 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 pytestmark = pytest.mark.xdist_group("device_split")  # one worker builds the module's models
 
-ROOT = Path(__file__).resolve().parents[2]
 BATCH, PROMPT, NEW = 2, 12, 7
 CONTEXT = PROMPT + NEW - 1  # the last token generated is never fed back
 # deeper than families.py's, so that a split has layers on both GPUs; (family, overrides, decoder layers)
@@ -208,10 +205,7 @@ def test_the_largest_context_over_two_gpus_is_the_last_whose_busiest_gpu_fits(mo
     assert not beyond.fits and max(beyond.parts.per_device) > usable
 
 
-def _fit(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "oom_magic", "fit", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
+_fit = fit_here  # the command's main in this process (its own process: tests/fit/test_cli.py)
 
 
 def test_the_commands_json_carries_each_gpus_share_and_the_exit_codes_stay(models):
