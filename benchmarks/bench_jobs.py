@@ -147,10 +147,9 @@ STEP_BATCH, STEP_CONTEXT = 4, 64
 def _step_activations(family: str, checkpointing: bool, mixed: bool, root: Path) -> dict[str, Any]:
     """One real cpu training step's peak beyond what it leaves (the profiler), beside the probe's figure."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from oom_magic.sizing.probe import TrainStep, probe_job
-    from tests.sizing.families import build
+    from tests.sizing.families import build, profiled_peak
 
     model = build(family).train()
     model.set_attn_implementation("eager")
@@ -158,16 +157,13 @@ def _step_activations(family: str, checkpointing: bool, mixed: bool, root: Path)
     if checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     ids = torch.randint(3, 256, (STEP_BATCH, STEP_CONTEXT))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+    def step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
             loss = model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)).loss
         loss.backward()
-        del loss
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+
+    peak, live = profiled_peak(step)
     probe = probe_job(root / family / "config.json", "float32", batch=STEP_BATCH, prompt=STEP_CONTEXT,
                       context=STEP_CONTEXT, train_step=TrainStep(checkpointing, "bf16" if mixed else None))
     how = ("bf16 autocast, " if mixed else "") + ("checkpointing" if checkpointing else "no checkpointing")

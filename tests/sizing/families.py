@@ -60,3 +60,18 @@ def cache_storage_bytes(cache: Any) -> int:
         elif hasattr(item, "__dict__") and not isinstance(item, (torch.nn.Module, type)):
             stack.extend(vars(item).values())
     return total
+
+
+def profiled_peak(run: Any) -> tuple[int, int]:
+    """(peak live bytes, live bytes at the end) while ``run()`` runs on the cpu, from the PyTorch
+    profiler's ``[memory]`` events in time order: what real ops allocated and freed, whatever made them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    live = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live

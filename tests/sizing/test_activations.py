@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from oom_magic.sizing.probe import probe_job
-from tests.sizing.families import build
+from tests.sizing.families import build, profiled_peak
 
 torch = pytest.importorskip("torch")
 BATCH, PROMPT = 2, 192
@@ -13,17 +13,13 @@ BATCH, PROMPT = 2, 192
 
 def _profiled_peak(model, ids) -> tuple[int, int]:
     """(peak live bytes, live bytes at the end) of a real cpu forward, from the profiler's [memory] events."""
-    from torch.profiler import ProfilerActivity, profile
+    held = []
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof, torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    del out
-    return peak, live
+    def forward() -> None:
+        with torch.no_grad():
+            held.append(model(input_ids=ids, use_cache=True, logits_to_keep=1))  # what it leaves stays counted
+
+    return profiled_peak(forward)
 
 
 @pytest.mark.parametrize("family", ["llama-gqa", "gemma2-alternating", "gpt2", "mistral-sliding"])

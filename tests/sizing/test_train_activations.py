@@ -15,7 +15,7 @@ import pytest
 from oom_magic.records.job import Job
 from oom_magic.sizing.parts import size_job
 from oom_magic.sizing.probe import TrainStep, probe_job
-from tests.sizing.families import build
+from tests.sizing.families import build, profiled_peak
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -30,19 +30,14 @@ def _enable_checkpointing(model) -> None:
 
 def _real_step(model, batch: int = BATCH, mixed=None) -> tuple[int, int]:
     """(peak beyond what is left, bytes left) of one real cpu step, from the profiler's [memory] events."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = torch.randint(3, 256, (batch, CONTEXT))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+
+    def step() -> None:
         with torch.autocast("cpu", dtype=mixed or torch.bfloat16, enabled=mixed is not None):
             loss = model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids)).loss
         loss.backward()
-        del loss
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+
+    peak, live = profiled_peak(step)
     return peak - live, live
 
 

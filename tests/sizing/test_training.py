@@ -7,7 +7,7 @@ import pytest
 
 from oom_magic.sizing.probe import probe_job
 from oom_magic.sizing.training import gradient_bytes, optimizer_bytes, optimizer_step_bytes
-from tests.sizing.families import build
+from tests.sizing.families import build, profiled_peak
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -66,17 +66,9 @@ def test_adamw_steps_stay_on_the_host_so_the_device_figure_leaves_them_out(tmp_p
 def _step_temporary(model, optimizer) -> int:
     """What a real step allocates for a moment above what it leaves: the profiler's memory events of
     the step alone (the first step also creates the state, which stays)."""
-    from torch.profiler import ProfilerActivity, profile
-
     ids = torch.randint(3, 256, (2, 10))
     model(input_ids=ids, labels=ids).loss.backward()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        optimizer.step()
-    live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
-        live += nbytes
-        peak = max(peak, live)
+    peak, live = profiled_peak(optimizer.step)
     return peak - live
 
 
