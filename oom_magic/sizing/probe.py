@@ -243,6 +243,16 @@ class Live(TorchDispatchMode):
             self.live -= entry[0]
             del self.held[key]
 
+def grouped_experts():
+    # a MoE's experts as transformers runs them by default (grouped_mm over the tokens sorted by
+    # expert); its fallback kernel, not torch's, which wants bfloat16: same shapes, runs on meta and fake
+    try:
+        import transformers.integrations.moe as moe
+        moe._can_use_grouped_mm = lambda *args: False
+        model.set_experts_implementation("grouped_mm")
+    except Exception:
+        pass
+
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     # what a fused sdpa kernel (flash, memory-efficient, the cpu's flash) holds in a forward without
     # grad: its output and, for the moment, its float32 logsumexp per query, never the batch x heads x
@@ -262,6 +272,7 @@ def prompt_transient():
         functional, sdpa = torch.nn.functional, torch.nn.functional.scaled_dot_product_attention
         if getattr(model.config, "_attn_implementation", None) == "sdpa":  # as from_pretrained picks it
             functional.scaled_dot_product_attention = fused_attention
+        grouped_experts()  # batched_mm (the cache's meta path) copies every expert's weights per token
         mode = Live()
         # the weights are there before the forward: their t() views are no new memory
         mode.held.update({t.untyped_storage()._cdata: [0, 1 << 62] for t in [*model.parameters(), *model.buffers()]})
@@ -355,12 +366,7 @@ def train_step_transient(step):
     # (peak beyond what the step leaves, at batch and batch + 1; autocast's weight copies) of one step with
     # labels on the probe's model (LoRA-wrapped when asked), eager attention
     from torch._subclasses.fake_tensor import FakeTensorMode
-    try:  # the experts as transformers runs them by default; grouped_mm's fake kernel wants bfloat16, its fallback not
-        import transformers.integrations.moe as moe
-        moe._can_use_grouped_mm = lambda *args: False
-        model.set_experts_implementation("grouped_mm")
-    except Exception:
-        pass
+    grouped_experts()
     mixed = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(step["mixed_precision"])
     trained = wrapped if lora_r else model
     trained.train()

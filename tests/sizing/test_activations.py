@@ -22,7 +22,7 @@ def _profiled_peak(model, ids) -> tuple[int, int]:
     return profiled_peak(forward)
 
 
-@pytest.mark.parametrize("family", ["llama-gqa", "gemma2-alternating", "gpt2", "mistral-sliding"])
+@pytest.mark.parametrize("family", ["llama-gqa", "gemma2-alternating", "gpt2", "mistral-sliding", "mixtral-moe"])
 def test_the_prompts_transient_peak_is_within_10_percent_of_the_profiler(family, tmp_path):
     model = build(family)  # with the attention transformers picks for it: sdpa (gemma2: eager)
     model.config.save_pretrained(tmp_path)
