@@ -63,6 +63,12 @@ class HubServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
+    def reset_counts(self) -> None:
+        """Count from zero again: what the next test makes the hub send is its own."""
+        with self._lock:
+            self.sent.clear()
+            self._data_sent.clear()
+
     def weight_bytes_sent(self) -> int:
         """Bytes sent from the data region of every safetensors/gguf file (past its header)."""
         with self._lock:
