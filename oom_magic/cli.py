@@ -20,9 +20,6 @@ from .sizing.parts import MIXED_PRECISIONS
 if TYPE_CHECKING:
     from .records.preflight import Preflight
 
-if TYPE_CHECKING:
-    from .records.preflight import Preflight
-
 FITS, WILL_NOT_FIT, BAD_INPUT = 0, 1, 2
 _MISSING_FIX = "; pass a checkpoint folder, a .safetensors/.bin/.pt file or shard index, or a hub id (org/name)"
 

@@ -12,6 +12,7 @@ __all__ = ["GPU_ONLY_LINE", "job_fit_dict", "job_fit_text", "job_label", "job_su
 PART_NAMES = ("weights", "kv_cache", "activations", "gradients", "optimizer", "adapters", "optimizer_step")
 _LABELS = {"weights": "weights", "kv_cache": "KV cache", "activations": "activations", "gradients": "gradients",
            "optimizer": "optimizer", "adapters": "adapters", "optimizer_step": "optimizer step"}
+_TRANSIENTS = ("activations", "optimizer_step")  # a job's two moments above what it holds
 GPU_ONLY_LINE = ("Not counted (only a GPU adds them): the CUDA context, cuBLAS/cuDNN handles and kernel "
                  "workspaces, and the caching allocator's rounding.")
 
@@ -33,12 +34,15 @@ def job_label(job: Job) -> str:
 
 def job_sum(fit: JobFit) -> str:
     """The job and its parts added up: 'inference at context 9, batch 1: weights 412 KiB + KV cache 4.5 KiB = ...'."""
-    parts = [f"{_LABELS[name]} {format_bytes(value)}" for name in PART_NAMES if (value := getattr(fit.parts, name))]
+    def term(name: str) -> str | None:
+        value = getattr(fit.parts, name)
+        return f"{_LABELS[name]} {format_bytes(value)}" if value else None
+
+    both = bool(fit.parts.activations and fit.parts.optimizer_step)  # they never meet: the peak holds the larger
+    parts = [t for name in PART_NAMES if not (both and name in _TRANSIENTS) and (t := term(name))]
+    if both:
+        parts.append(f"the larger of ({term('activations')}, {term('optimizer_step')})")
     unsized = " (activations not sized)" if fit.parts.activations is None else ""
-    transients = [f"{_LABELS[n]} {format_bytes(v)}" for n in ("activations", "optimizer_step") if (v := getattr(fit.parts, n))]
-    if len(transients) == 2:  # they never meet: the peak holds the larger
-        held = [f"{_LABELS[n]} {format_bytes(v)}" for n in PART_NAMES[:-1] if n != "activations" and (v := getattr(fit.parts, n))]
-        parts = held + [f"the larger of ({', '.join(transients)})"]
     return f"{job_label(fit.job)}: {' + '.join(parts)} = {format_bytes(fit.parts.total)}{unsized}"
 
 
