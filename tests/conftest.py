@@ -63,45 +63,94 @@ def _sizing_children_start_warm() -> Iterator[None]:
 
 
 _tests_started = 0  # in this process (an xdist worker)
-_collected_after = -1  # the test whose teardown ended with a full collection
+_collected_after = -1  # the test whose teardown ended with a collection of its garbage
+
+
+class _TestGarbage:
+    """Frees what the tests before left unreachable, without a full collection each time where it can.
+
+    A full collection walks every object torch, transformers and IPython made at import (0.2-0.4 s
+    here), and the shell fixtures ran one per test. A test's own garbage is young, though: with
+    automatic collections of the older generations off (gc.set_threshold's second figure), what a
+    test makes stays in generations 0 and 1 until something collects generation 1 or 2, so
+    ``gc.collect(1)`` frees all of it. A full collection runs instead when that promise does not
+    hold: a collection of an older generation ran since (the product's own gc.collect(), a test's,
+    IPython's), or the test module changed (module fixtures, torn down, can leave cycles in
+    generation 2), or it never ran in this process."""
+
+    def __init__(self) -> None:
+        self.clean_module: str | None = None  # the module at the last full collection, while none older ran
+        self.module: str | None = None  # the module of the test running
+        self.ours = False
+
+    def watch(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] >= 1 and not self.ours:
+            self.clean_module = None  # survivors went to generation 2: the next collection is full
+
+    def collect(self) -> None:
+        self.ours = True
+        try:
+            if self.clean_module is not None and self.clean_module == self.module:
+                gc.collect(1)
+            else:
+                gc.collect()
+                self.clean_module = self.module
+        finally:
+            self.ours = False
+
+
+_garbage = _TestGarbage()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _young_test_garbage() -> Iterator[None]:
+    """Automatic collections of generation 1 (and so 2) off for the session; see _TestGarbage."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(threshold[0], 1_000_000, threshold[2])
+    gc.callbacks.append(_garbage.watch)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(_garbage.watch)
+        gc.set_threshold(*threshold)
 
 
 @pytest.hookimpl(tryfirst=True)  # before any fixture of the test is set up
 def pytest_runtest_setup(item: pytest.Item) -> None:
     global _tests_started
     _tests_started += 1
+    _garbage.module = item.nodeid.split("::", 1)[0]
 
 
 @pytest.fixture
 def ip(_global_ip):
     """The real IPython shell, extension loaded, user namespace and history reset afterwards.
 
-    It starts with no garbage of earlier tests (a full collection first): under xdist a test follows
-    any other, and a reference cycle one left behind would show in this test's scans as stale. When
-    the test just before was one of these, its teardown's collection already did that (each full
-    collection costs 0.2-0.4 s with torch and transformers on the heap)."""
+    It starts with no garbage of earlier tests: under xdist a test follows any other, and a
+    reference cycle one left behind would show in this test's scans as stale. When the test just
+    before was one of these, its teardown already freed its garbage."""
     global _collected_after
     shell = _global_ip
     if _collected_after != _tests_started - 1:
-        gc.collect()
+        _garbage.collect()
     shell.run_line_magic("load_ext", "oom_magic")
     yield shell
-    # %reset runs two full collections of its own, each up to a second with torch and transformers
-    # on the heap; with the heap frozen they have nothing to scan, and the one collection below,
-    # after unfreezing, frees the same cycles (the output cache, the test's namespace) at once.
-    gc.freeze()
+    # %reset runs two full collections of its own (IPython's displayhook.flush), each up to a second
+    # with torch and transformers on the heap; the one collection below frees the same cycles (the
+    # output cache, the test's namespace) at once.
+    collect, gc.collect = gc.collect, lambda generation=2: 0
     try:
         shell.run_line_magic("reset", "-f")
         shell.run_line_magic("unload_ext", "oom_magic")
     finally:
-        gc.unfreeze()
+        gc.collect = collect
     import sys
 
     for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, attr):
             delattr(sys, attr)
     shell.last_execution_result = None
-    gc.collect()
+    _garbage.collect()
     _collected_after = _tests_started
 
 
@@ -110,7 +159,7 @@ def fresh_heap():
     """Freeze what earlier test modules left alive out of the collector's view (gc.freeze) for one
     test, as in a fresh kernel: a tensor another module's fixture still holds would otherwise make
     every scan here name its holder, and every exact count see it."""
-    gc.collect()
+    _garbage.collect()
     gc.freeze()
     try:
         yield

@@ -2,7 +2,9 @@
 
 Real tiny transformers models saved locally (one file, sharded), real torch.save files, and a
 Hugging Face cache laid out as huggingface_hub lays it out under a temporary HF_HOME. The
-command runs as a subprocess: its stdout, its one-line stderr and its exit status are checked.
+command's stdout, its one-line stderr and its exit status are checked: as a real subprocess for
+each exit status (0, 1, 2, an argparse error), the hub cache and the torch-free import, and by its
+real ``main`` in this process elsewhere (tests/fit/command.py: the same figures, seconds less each).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import oom_magic
 from oom_magic.common.errors import OomMagicError
 from oom_magic.fit.preflight import preflight_check
+from tests.fit.command import fit_here
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -59,8 +62,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"base": base, "params": params, "home": home, "commit": commit, "adam_bytes": adam_bytes}
 
 
-def run_fit(*args: str, hf_home: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m oom_magic fit ARGS` in a fresh interpreter, offline, with this checkout's package."""
+def run_fit(*args: str, hf_home: Path | None = None, process: bool = False) -> subprocess.CompletedProcess[str]:
+    """`python -m oom_magic fit ARGS`: in a fresh interpreter, offline, with this checkout's package when
+    ``process`` (or a hub cache) is asked for; otherwise its ``main`` here (fit_here)."""
+    if not process and hf_home is None:
+        return fit_here(*args)
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("HF_HUB_CACHE", None)
     if hf_home is not None:
@@ -70,7 +76,7 @@ def run_fit(*args: str, hf_home: Path | None = None) -> subprocess.CompletedProc
 
 
 def test_a_folder_that_fits_exits_0_with_the_guard_text(models):
-    done = run_fit(str(models["base"] / "single"), "--device", "cpu", "--headroom", "0")
+    done = run_fit(str(models["base"] / "single"), "--device", "cpu", "--headroom", "0", process=True)
     assert done.returncode == 0, done.stderr
     assert f"{models['params']:,} parameters" in done.stdout
     # the report speaks of the checkpoint named, not of a line of code the user never wrote
@@ -184,7 +190,7 @@ def test_bad_input_exits_2_with_one_line_naming_the_fix(models, args, says):
     if "cuda:0" in args and torch.cuda.is_available():
         pytest.skip("a GPU is present: cuda:0 can be checked here")
     args = [a.format(single=models["base"] / "single", bin=models["base"] / "weights.bin") for a in args]
-    done = run_fit(*args)
+    done = run_fit(*args, process=not args or args[0] == "/no/such/model")  # argparse's error and ours, as a process
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("oom-magic"), done.stderr
@@ -258,7 +264,7 @@ def test_a_shard_index_naming_missing_shards_is_an_incomplete_download(models):
 ])
 def test_json_errors_are_json(models, args, says):
     args = [a.format(single=models["base"] / "single") for a in args]
-    done = run_fit(*args, "--json")
+    done = run_fit(*args, "--json", process=not args)
     assert done.returncode == 2 and done.stderr == ""
     data = json.loads(done.stdout)
     assert data["verdict"] == "error" and says in data["error"] and list(data) == ["verdict", "error"]

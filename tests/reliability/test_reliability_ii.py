@@ -112,6 +112,16 @@ def _interrupted(action: Callable[[], Any], site: Any) -> bool:
     return bool(fired)
 
 
+@pytest.fixture
+def short_tracebacks(ip) -> Any:
+    """The shell shows each Ctrl-C's traceback as one line (%xmode Minimal) for one test: the checks
+    read the kernel's state after it, and IPython's full traceback took a third of each run."""
+    mode = ip.InteractiveTB.mode
+    ip.run_line_magic("xmode", "Minimal")
+    yield
+    ip.InteractiveTB.set_mode(mode)
+
+
 def _hook_on(ip) -> bool:
     """Whether the after-cell hook is still on (a failure in it turns it off until %gpumem --auto)."""
     return ip.magics_manager.registry["OomMagics"].cell_watch.enabled
@@ -128,7 +138,7 @@ def _run(ip, cell: str) -> Any:
     return result
 
 
-def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_heap) -> None:
+def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_heap, short_tracebacks) -> None:
     ip.run_cell("import torch\nkeep = torch.ones(1000)\nother = {'k': keep}")
     ip.run_line_magic("gpumem", "--auto off")  # no after-cell scan between the runs (it has its own tests)
 
@@ -164,7 +174,8 @@ def test_ctrl_c_at_every_step_of_freeall_leaves_the_kernel_as_it_was(ip, fresh_h
     assert ip.run_line_magic("freeall", "").dry_run is False  # and %freeall still works
 
 
-def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap) -> None:  # noqa: F811 (the imported fixture)
+def test_ctrl_c_at_every_step_of_a_guarded_load_puts_everything_back(ip, fake_gpu, fresh_heap,
+                                                                     short_tracebacks) -> None:  # noqa: F811 (the imported fixture)
     """FAKE GPU: the guard's cap (--target T4 on an 80 GiB FAKE cuda:0) and an out-of-memory error."""
     cuda = fake_gpu(FakeTorchCuda(80 * GiB))
     cuda.set_per_process_memory_fraction(0.75, 0)  # the user's own fraction, to be put back
