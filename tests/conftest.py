@@ -62,6 +62,21 @@ def _sizing_children_start_warm() -> Iterator[None]:
         zygote.close()
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was() -> Iterator[None]:
+    """Each test leaves os.environ as it found it. %%guardload on a (FAKE) cuda device sets
+    PYTORCH_CUDA_ALLOC_CONF for the process, as it should for a user; left set, it followed every
+    later test of the worker into its sizing children, and the warm zygote (tests/zygote.py), started
+    with another environment, served none of them: each imported torch afresh."""
+    import os
+
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 _tests_started = 0  # in this process (an xdist worker)
 _collected_after = -1  # the test whose teardown ended with a collection of its garbage
 
@@ -70,13 +85,13 @@ class _TestGarbage:
     """Frees what the tests before left unreachable, without a full collection each time where it can.
 
     A full collection walks every object torch, transformers and IPython made at import (0.2-0.4 s
-    here), and the shell fixtures ran one per test. A test's own garbage is young, though: with
-    automatic collections of the older generations off (gc.set_threshold's second figure), what a
-    test makes stays in generations 0 and 1 until something collects generation 1 or 2, so
-    ``gc.collect(1)`` frees all of it. A full collection runs instead when that promise does not
-    hold: a collection of an older generation ran since (the product's own gc.collect(), a test's,
-    IPython's), or the test module changed (module fixtures, torn down, can leave cycles in
-    generation 2), or it never ran in this process."""
+    here), and the shell fixtures ran one per test. What a test makes stays in generations 0 and 1
+    until a collection of generation 1 or 2 moves the survivors on, and many tests end before the
+    collector's own thresholds run one: then ``gc.collect(1)`` frees all of their garbage. A full
+    collection runs instead when that does not hold: a collection of an older generation ran since
+    the last full one (the collector's own, the product's gc.collect(), a test's, IPython's), or
+    the test module changed (module fixtures, torn down, can leave cycles in generation 2), or it
+    never ran in this process. The collector's thresholds stay as a kernel has them."""
 
     def __init__(self) -> None:
         self.clean_module: str | None = None  # the module at the last full collection, while none older ran
@@ -104,15 +119,12 @@ _garbage = _TestGarbage()
 
 @pytest.fixture(scope="session", autouse=True)
 def _young_test_garbage() -> Iterator[None]:
-    """Automatic collections of generation 1 (and so 2) off for the session; see _TestGarbage."""
-    threshold = gc.get_threshold()
-    gc.set_threshold(threshold[0], 1_000_000, threshold[2])
+    """Watch for collections of the older generations for the session; see _TestGarbage."""
     gc.callbacks.append(_garbage.watch)
     try:
         yield
     finally:
         gc.callbacks.remove(_garbage.watch)
-        gc.set_threshold(*threshold)
 
 
 @pytest.hookimpl(tryfirst=True)  # before any fixture of the test is set up

@@ -1,7 +1,8 @@
 """Issue 25, points 2-7 and 12: the fit check's figures add up, its hints can be followed, and the loads
 users write (transformers' pipeline(), vLLM's LLM()) are sized.
 
-Each point goes through the surface the user touched: the `oom-magic fit` command as a subprocess,
+Each point goes through the surface the user touched: the `oom-magic fit` command (a subprocess
+under a real address-space limit, its real ``main`` in this process elsewhere: tests/fit/command.py),
 a real IPython shell running %%guardload (in a child process under a real RLIMIT_AS for the check
 before and the diagnosis after), and ``oom_magic.fit_check`` from Python. Real tiny transformers
 models, a real GPT-2 trained one AdamW step, a real tokenizer built offline. vLLM is not installed
@@ -28,6 +29,7 @@ import oom_magic
 from oom_magic.checkpoints.estimate import estimate_checkpoint
 from oom_magic.fit.options import bitsandbytes_installed
 from oom_magic.render.units import format_bytes
+from tests.fit.command import fit_here
 
 # Its module fixtures (two saved models, a command run) are built once, on one xdist worker.
 pytestmark = pytest.mark.xdist_group("fit_figures")
@@ -40,8 +42,10 @@ WIDE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_at
 
 
 def run_fit(*args: str, limit: int | None = None) -> subprocess.CompletedProcess[str]:
-    """`python -m oom_magic fit ARGS` in a fresh interpreter, offline, with this checkout's package;
-    ``limit``: its address-space limit in bytes, as ``ulimit -v`` sets it."""
+    """`python -m oom_magic fit ARGS`; with ``limit`` (its address-space limit in bytes, as ``ulimit -v``
+    sets it) in a fresh interpreter, offline, with this checkout's package, else its main here."""
+    if limit is None:
+        return fit_here(*args)
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
 
     def ulimit() -> None:
