@@ -3,10 +3,13 @@
     python scripts/gpu_train_peak.py      # on a machine with an NVIDIA GPU; writes $OUT/train_peak.txt
 
 GPU check 10 found a 1.1B Llama's (fp32, eager, batch 2 x 512) forward/backward transient on an
-H200 266 MB (31%) above the sizing's figure, which a real cpu step matches within 1%. This script
-records the allocator's history through one step and lists what is live at its peak, grouped by
-the Python (and ATen) frames that allocated it, to find the CUDA-only part. Not part of the suite,
-and not run yet: the session that wrote it was lent no second device run.
+H200 266 MB (31%) above the sizing's figure. Most of it was the check's own loop, which held the
+model's outputs (float32 logits) through backward: that loop holds 800,198,792 B on the cpu, the
+loop the probe sizes (the loss alone, as transformers' Trainer keeps it) 602,017,928 B against the
+probe's 602,017,800. What stays is CUDA's own 68 MB (8.5%) over the cpu in the held-output loop.
+This script runs the probe's loop, records the allocator's history through one step and lists what
+is live at its peak, grouped by the Python (and ATen) frames that allocated it. Not part of the
+suite, and not run yet: no GPU was lent since.
 """
 import collections, gc, os, sys
 import torch
