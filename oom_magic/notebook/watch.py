@@ -431,7 +431,8 @@ class ScanCost:
     The heap's size is read as ``sys.getallocatedblocks()`` (well under a millisecond even at
     10 M objects). Learnt from each one measured (recent ones weigh most): a full scan's cost per
     block (before the first, 150 ns, measured on this project's CI machine), showing a widget,
-    and what a quick view costs past its walk's deadline (grouping and naming what it found).
+    and what a quick view costs past its walk's deadline (grouping and naming what it found); the
+    last two are kept free for at once when they rise.
     """
 
     def __init__(self, seconds_per_block: float = 150e-9) -> None:
@@ -460,15 +461,21 @@ class ScanCost:
 
     def learn_widget(self, seconds: float) -> None:
         """Fold in what showing one widget cost (models, comm messages, freezing the oldest)."""
-        self.widget_seconds = _blend(self.widget_seconds, seconds)
+        self.widget_seconds = _reserve(self.widget_seconds, seconds)
 
     def learn_quick_view(self, seconds: float, walk: float) -> None:
         """Fold in what a quick view cost past the ``walk`` seconds it was given."""
-        self.after_walk_seconds = _blend(self.after_walk_seconds, max(seconds - walk, 0.0))
+        self.after_walk_seconds = _reserve(self.after_walk_seconds, max(seconds - walk, 0.0))
 
 
 # The quick view's walk always gets this long, however little of the hook's budget is left.
 MIN_WALK_SECONDS = 0.01
+
+
+def _reserve(old: float, new: float) -> float:
+    """What to keep free for a cost the walk must leave room for: a rise at once, a fall blended in
+    (a blend alone left the hook a cell behind a rise, 1-2 ms over its budget)."""
+    return max(new, _blend(old, new))
 
 
 def _blend(old: float, new: float) -> float:
