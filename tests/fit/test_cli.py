@@ -23,9 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import oom_magic
 from oom_magic.common.errors import OomMagicError
 from oom_magic.fit.preflight import preflight_check
-from tests.fit.command import fit_here
+from tests.fit.command import ROOT, fit_here, fit_process
 
-ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
 
@@ -63,16 +62,11 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 
 def run_fit(*args: str, hf_home: Path | None = None, process: bool = False) -> subprocess.CompletedProcess[str]:
-    """`python -m oom_magic fit ARGS`: in a fresh interpreter, offline, with this checkout's package when
-    ``process`` (or a hub cache) is asked for; otherwise its ``main`` here (fit_here)."""
+    """`python -m oom_magic fit ARGS`: as its own process when ``process`` (or a hub cache) is asked for;
+    otherwise its ``main`` here (fit_here)."""
     if not process and hf_home is None:
         return fit_here(*args)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    env.pop("HF_HUB_CACHE", None)
-    if hf_home is not None:
-        env["HF_HOME"] = str(hf_home)
-    return subprocess.run([sys.executable, "-m", "oom_magic", "fit", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return fit_process(*args, hf_home=hf_home, timeout=120)
 
 
 def test_a_folder_that_fits_exits_0_with_the_guard_text(models):

@@ -29,12 +29,11 @@ import oom_magic
 from oom_magic.checkpoints.estimate import estimate_checkpoint
 from oom_magic.fit.options import bitsandbytes_installed
 from oom_magic.render.units import format_bytes
-from tests.fit.command import fit_here
+from tests.fit.command import ROOT, fit_here, fit_process
 
 # Its module fixtures (two saved models, a command run) are built once, on one xdist worker.
 pytestmark = pytest.mark.xdist_group("fit_figures")
 
-ROOT = Path(__file__).resolve().parents[2]
 MiB = 2**20
 # A Llama whose float32 copy (~160 MiB) and its cast's RAM peak differ by tens of MiB.
 WIDE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
@@ -43,16 +42,8 @@ WIDE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_at
 
 def run_fit(*args: str, limit: int | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m oom_magic fit ARGS`; with ``limit`` (its address-space limit in bytes, as ``ulimit -v``
-    sets it) in a fresh interpreter, offline, with this checkout's package, else its main here."""
-    if limit is None:
-        return fit_here(*args)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-
-    def ulimit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-
-    return subprocess.run([sys.executable, "-m", "oom_magic", "fit", *args], capture_output=True, text=True, check=False,
-                          env=env, timeout=180, preexec_fn=ulimit if limit is not None else None)
+    sets it) as its own process, else its main here."""
+    return fit_here(*args) if limit is None else fit_process(*args, limit=limit, timeout=180)
 
 
 def _option(stdout: str, label: str) -> str:

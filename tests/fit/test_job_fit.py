@@ -6,9 +6,6 @@ after a real prompt's forward, and with peft's real adapters.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,11 +14,10 @@ import oom_magic
 from oom_magic.checkpoints.estimate import estimate_checkpoint
 from oom_magic.common.errors import OomMagicError
 from oom_magic.records.job import JobFit
-from tests.fit.command import fit_here
+from tests.fit.command import fit_here, fit_process
 from tests.sizing.families import build, cache_storage_bytes
 
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +28,12 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     return folder, model
 
 
-def _fit_process(*args: str) -> subprocess.CompletedProcess[str]:
-    """The command as its own process (the first test); the others run its main here (tests/fit/command.py)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "oom_magic", "fit", *args], capture_output=True, text=True,
-                          env=env, timeout=300)
-
-
 _fit = fit_here
 
 
 def test_inference_json_carries_parts_equal_to_a_real_cache_and_the_weights(llama):
     folder, model = llama
-    done = _fit_process(str(folder), "--context", "48", "--batch", "3", "--target", "T4", "--json")
+    done = fit_process(str(folder), "--context", "48", "--batch", "3", "--target", "T4", "--json")
     assert done.returncode == 0, done.stderr
     check = json.loads(done.stdout)["checks"][0]
     with torch.no_grad():
