@@ -16,6 +16,7 @@ import ctypes
 import ctypes.util
 import mmap
 from collections.abc import Hashable, Iterable
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,21 @@ def mapped_bytes(storages: Iterable[tuple[int, int]], mappings: FileMappings | N
     return sum(mappings.overlap(address, size) for address, size in storages)
 
 
+def _near_a_mapping(mappings: FileMappings, storages: list[tuple[int, int]]) -> list[bool]:
+    """For each (address, nbytes), whether a file mapping may overlap it: the one starting last at or
+    before it reaches past its address, or the next starts before its end (most storages of a scan
+    are anonymous memory: no mapping is looked at for them)."""
+    starts, ranges = mappings.starts, mappings.ranges
+    if not starts:
+        return [False] * len(storages)
+    addresses = [a for a, _ in storages]
+    after = list(map(bisect.bisect_right, repeat(starts), addresses))  # mappings starting at or before each
+    ends = [r[1] for r in ranges] + [0]  # ends[-1]: no mapping starts before the first
+    following = list(starts) + [1 << 64]
+    return [ends[i - 1] > address or following[i] < address + size
+            for i, (address, size) in zip(after, storages)]
+
+
 def file_pages(storages: Iterable[tuple[int, int]], mappings: FileMappings | None = None) -> MappedViews | None:
     """Which bytes of the (address, nbytes) storages are views of files, how many distinct file bytes
     they cover and how much of those is in memory now; None where unknown (not Linux)."""
@@ -113,7 +129,12 @@ def file_pages(storages: Iterable[tuple[int, int]], mappings: FileMappings | Non
     mapped: list[int] = []
     # (file, first page, end page, address of the first page): where each view lies in its file.
     spans: list[tuple[Hashable, int, int, int]] = []
-    for address, size in storages:
+    storages = list(storages)
+    near = _near_a_mapping(mappings, storages)
+    for (address, size), maybe in zip(storages, near):
+        if not maybe:
+            mapped.append(0)
+            continue
         total = 0
         for i, start, stop in mappings.pieces(address, size):
             total += stop - start

@@ -6,13 +6,14 @@ storages found, with C-level reads, so a hostile ``__getattr__``, ``__iter__``, 
 ``__hash__`` in the user's namespace is never called.
 
 Exact first, then fast: a user-held storage's path is remembered as steps (strings and ints, no
-references); the next scan re-reads each one from its variable and trusts it only if it still
-reaches a tensor of that same storage. Whatever is left gets a walk, which stops as soon as every
-storage left has a holder; the garbage and library-held tests run only for what is left after it.
+references; ``remembered``); the next scan re-reads each one from its variable and trusts it only if
+it still reaches a tensor of that same storage. Whatever is left gets a walk, which stops as soon as
+every storage left has a holder; the garbage and library-held tests run only for what is left after it.
 """
 from __future__ import annotations
 
 import gc
+import operator
 import sys
 import time
 import types
@@ -20,13 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable
 
+from ..records.data import frozen_record
 from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
 from .walk import Root, Walk
 from .names import Namer, render
-from .reads import MISSING, instance_attributes, mro_has, plain_dict_slot, qualname
-from .resolve import resolve
+from .reads import instance_attributes, plain_dict_slot, qualname
+from .remembered import RememberedPaths
 from .garbage import forget_garbage, garbage_storages, still_garbage
 from .library import forget_library_chains, remember_chain, still_library_held
 from .referrers import referrers_of
@@ -65,9 +67,9 @@ class Attribution:
     user_reachable: frozenset[int]
 
 
-# storage key -> (variable, steps, path text): user-held paths of the last scans, re-checked before use.
-_REMEMBERED: dict[int, tuple[str, tuple, str, str | None]] = {}
 _REMEMBER_LIMIT = 1_000_000
+# User-held paths of the last scans, re-checked before use.
+_REMEMBERED = RememberedPaths(_REMEMBER_LIMIT)
 # Steps that resolve() can re-read; a path with any other step is walked again each time.
 _RESOLVABLE = frozenset({"", "key", "attr", "index", "closure", "cell", "member", "flat", "keyat", "grad", "run",
                          "pandas"})
@@ -105,7 +107,7 @@ def attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozens
 def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozenset[type], *,
                budget_nodes: int, budget_seconds: float, find_garbage: bool, trace_other: bool) -> Attribution:
     deadline = time.perf_counter() + budget_seconds
-    holders = _remembered_holders(live, roots)
+    holders = _REMEMBERED.holders_now(live, roots)
     if find_garbage:  # garbage is unreachable from every root: no walk needs to look for it
         for key in still_garbage(live, holders):
             holders[key] = Holder(GARBAGE, "unreachable reference cycle", "gc")
@@ -144,7 +146,8 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     # something: garbage is unreachable by definition.
     if stale_objects and not user_exhausted and any(h.kind in (OUTPUT_CACHE, TRACEBACK) for h in holders.values()):
         user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
-    unclaimed = [t for t in live.tensors if live.storage_of[id(t)] not in holders]
+    unclaimed = [] if holders.keys() >= live.storages.keys() else \
+        [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     known: dict[int, list[Any]] = {}  # the garbage search's referrers, climbed again by the chains
     try:
         if unclaimed and find_garbage:
@@ -164,6 +167,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     return Attribution(holders, complete, nodes, frozenset(user_reached))
 
 
+_TAG = operator.itemgetter(0)  # a step's kind
 _CHAINS_REMEMBERED = 16  # storages a cleanup climbs to once, to skip their garbage search after
 
 
@@ -213,71 +217,11 @@ def _user_reach(roots: Roots, live: LiveTensors, objects: list[Any], deadline: f
         walk.release()
 
 
-def _remembered_holders(live: LiveTensors, roots: Roots) -> dict[int, Holder]:
-    """User-held storages whose remembered path still reaches a tensor of that storage now."""
-    if not _REMEMBERED or not roots.user:
-        return {}
-    variables: dict[str, Any] = {}
-    for name, obj in roots.user:
-        variables.setdefault(name, obj)
-    holders: dict[int, Holder] = {}
-    storage_of = live.storage_of
-    listed: dict[int, Any] = {}  # sets and arrays listed once for every path through them
-    try:
-        for key in live.storages:
-            known = _REMEMBERED.get(key)
-            if known is None:
-                continue
-            name, steps, text, hint = known
-            if name not in variables:
-                continue
-            try:
-                obj = resolve(variables[name], steps, listed, variables)
-            except Exception:
-                continue
-            if obj is not MISSING and storage_of.get(id(obj)) == key:
-                holders[key] = Holder(USER, text, name, hint)
-            del obj
-    finally:
-        listed.clear()
-        variables.clear()
-    return holders
-
-
 def recheck_remembered(keys: Iterable[int], roots: Roots, torch: Any) -> dict[int, Holder] | None:
     """Holders for these storages by their remembered user paths alone, each re-read now and
     checked to reach a tensor of that same storage; None unless every one does (then a heap pass
     is needed). No heap pass: what it costs is the paths' length, not the heap's size."""
-    variables: dict[str, Any] = {}
-    for name, obj in roots.user:
-        variables.setdefault(name, obj)
-    base = getattr(getattr(torch, "_C", None), "TensorBase", None)
-    address = getattr(getattr(torch, "_C", None), "_storage_address", None)
-    disable = getattr(getattr(torch, "_C", None), "DisableTorchFunctionSubclass", None)
-    if base is None or address is None or disable is None:
-        return None
-    holders: dict[int, Holder] = {}
-    listed: dict[Any, Any] = {}
-    try:
-        with disable():
-            for key in keys:
-                known = _REMEMBERED.get(key)
-                if known is None or known[0] not in variables:
-                    return None
-                name, steps, text, hint = known
-                try:
-                    obj = resolve(variables[name], steps, listed, variables)
-                    if obj is MISSING or not mro_has(type(obj), base) or address(obj) != key:
-                        return None
-                except Exception:
-                    return None
-                finally:
-                    obj = None
-                holders[key] = Holder(USER, text, name, hint)
-    finally:
-        listed.clear()
-        variables.clear()
-    return holders
+    return _REMEMBERED.recheck(keys, roots, torch)
 
 
 def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, Holder]:
@@ -305,11 +249,11 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
             text = render(root, steps, key_text)
             if shared is not None:
                 text += f" (first of {shared[1]:,} views)"
-            hint = _hint(root, steps)
-            holders[key] = Holder(root.kind, text, root.name, hint)
+            holders[key] = holder = frozen_record(Holder, {"kind": root.kind, "path": text, "root": root.name,
+                                                           "hint": _hint(root, steps)})
             if root.kind == USER and shared is None:  # a count of views could change unseen: not remembered
                 steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
-                _remember(key, root.name, steps, text, hint)
+                _remember(key, root.name, steps, holder)
     finally:
         namer.clear()
     return holders
@@ -347,12 +291,10 @@ def _key_at(namer: Namer, step: tuple) -> tuple:
     return ("keyat", root.name, steps)
 
 
-def _remember(key: int, name: str, steps: tuple, text: str, hint: str | None) -> None:
+def _remember(key: int, name: str, steps: tuple, holder: Holder) -> None:
     """Keep a user-held storage's path for the next scan, if every step can be re-read."""
-    if all(s[0] in _RESOLVABLE for s in steps):
-        if len(_REMEMBERED) > _REMEMBER_LIMIT:
-            _REMEMBERED.clear()
-        _REMEMBERED[key] = (name, steps, text, hint)
+    if _RESOLVABLE.issuperset(map(_TAG, steps)):
+        _REMEMBERED.remember(key, name, steps, holder)
 
 
 def _hint(root: Root, steps: tuple) -> str | None:
@@ -388,11 +330,11 @@ def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]
                 tensor_key = live.storage_of.get(id(tensor))
                 holder = holders.get(tensor_key) if tensor_key is not None else None
                 if holder is not None:
-                    holders[key] = Holder(holder.kind, holder.path + ".grad", holder.root)
+                    holders[key] = grad_holder = Holder(holder.kind, holder.path + ".grad", holder.root)
                     left.discard(key)
                     known = _REMEMBERED.get(tensor_key) if tensor_key is not None else None
                     if holder.kind == USER and known is not None and known[0] == holder.root:
-                        _remember(key, holder.root, known[1] + (("grad",),), holder.path + ".grad", None)
+                        _remember(key, holder.root, known[1] + (("grad",),), grad_holder)
             del grad
     reached.clear()
 
@@ -428,7 +370,7 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         walk.met.clear()
         order = list(map(id, met))  # walk order: the first tensor met names its storage
         live = group_storages(met, tensor_types, device, walk.nodes)
-        known = _remembered_holders(live, roots)  # re-checked paths need no naming
+        known = _REMEMBERED.holders_now(live, roots)  # re-checked paths need no naming
         for tid in order:
             key = live.storage_of.get(tid)
             if key is not None and key not in walk.found and key not in known:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import sys
 import types
-from itertools import compress, count
+from itertools import chain, compress, count
 from typing import Any
 from collections.abc import Callable, Iterable
 
@@ -53,6 +53,7 @@ class Namer:
         self._shapes: dict[int, str] = {}
         self._shape_types: list[type] = []  # keeps the types whose ids key _shapes alive
         self._member_cache: dict[int, list[tuple[str, Any]]] = {}
+        self._last_member: dict[int, int] = {}  # id(type) -> the member that named a child last
         self._by_parent: dict[int, set[int]] = {}
         self._by_parent_size = -1
         self._candidates: dict[int, list[str]] = {}
@@ -71,19 +72,15 @@ class Namer:
         parent = self.parent_of
         if obj_id not in parent:
             self.prepare((obj_id,))
-        found = self._depth_of(obj_id)
-        if found is None:
-            return None, ()
-        depth, anchor, root = found
-
-        def link_of(child_id: int) -> tuple[Step, ...]:
-            link = self._links.get(child_id)
-            if link is None:
-                link = self._links[child_id] = tuple(self._link(parent[child_id], child_id))
-            return link
-
-        if depth <= MAX_SHOWN_STEPS:
-            forward = self._climb(obj_id, depth)
+        link_of = self._link_of
+        forward, root = self._short_climb(obj_id)
+        if root is None:  # longer than a path shown whole (or not reached): its depth is counted
+            found = self._depth_of(obj_id)
+            if found is None:
+                return None, ()
+            depth, anchor, root = found
+            forward = self._climb(obj_id, depth) if depth <= MAX_SHOWN_STEPS else None
+        if forward is not None:
             steps: list[Step] = []
             at = 0
             while at < len(forward):
@@ -122,6 +119,29 @@ class Namer:
                 hidden += 1
             return root, tuple(head + [("run", same[0][1], hidden)] + tail)
         return root, tuple(head + [("elide", hidden)] + tail)
+
+    def _link_of(self, child_id: int) -> tuple[Step, ...]:
+        link = self._links.get(child_id)
+        if link is None:
+            link = self._links[child_id] = tuple(self._link(self.parent_of[child_id], child_id))
+        return link
+
+    def _short_climb(self, obj_id: int) -> tuple[list[int] | None, Root | None]:
+        """(the ids from the root down to the object, its root) for a path of at most
+        MAX_SHOWN_STEPS links, in one climb; (None, None) for a longer one or one not reached."""
+        parent = self.parent_of
+        ids: list[int] = []
+        node = obj_id
+        while len(ids) <= MAX_SHOWN_STEPS:
+            up = parent.get(node)
+            if up is None:
+                return None, None
+            if type(up) is Root:
+                ids.reverse()
+                return ids, up
+            ids.append(node)
+            node = id(up)
+        return None, None
 
     def _depth_of(self, obj_id: int) -> tuple[int, int, Root] | None:
         """(links from the root, id of the ancestor _ENDS links down, the root), memoised on the way up."""
@@ -256,6 +276,10 @@ class Namer:
     def _link_unsafe(self, parent: Any, child_id: int) -> list[Step]:
         cls = type(parent)
         shape = self._shape_of(cls)
+        if shape == "inst":  # the most common link first (records, modules)
+            return self._instance_link(parent, cls, child_id)
+        if shape == "list":
+            return [("index", self._index_of(parent, child_id, list.__iter__))]
         if shape == "func":
             closure = parent.__closure__
             if closure is not None and id(closure) == child_id:
@@ -313,10 +337,17 @@ class Namer:
                 value = BaseException.__dict__[name].__get__(parent)
                 if id(value) == child_id:
                     return [("",)] if name == "__traceback__" else [("attr", name)]
-        # An instance: a slot or C member, its __dict__ (already there), or an inline attribute.
-        for name, member in self._members(cls):
+        return self._instance_link(parent, cls, child_id)
+
+    def _instance_link(self, parent: Any, cls: type, child_id: int) -> list[Step]:
+        """An instance's link: a slot or C member, its __dict__ (already there), or an inline attribute."""
+        members = self._members(cls)
+        last = self._last_member.get(id(cls), 0)  # the slot that held the child last time, tried first
+        for at in chain((last,), range(len(members))) if last < len(members) else range(len(members)):
+            name, member = members[at]
             try:
                 if id(member.__get__(parent, cls)) == child_id:
+                    self._last_member[id(cls)] = at
                     return [("attr", name)]
             except Exception:
                 continue
@@ -425,6 +456,7 @@ class Namer:
         self._shapes.clear()
         self._shape_types.clear()
         self._member_cache.clear()
+        self._last_member.clear()
         self._candidates.clear()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import gc
 import types
+from itertools import repeat
 from typing import Any
 from collections.abc import Callable
 
@@ -128,51 +129,73 @@ def instance_attributes(obj: Any) -> dict:
     return d if type(d) is dict else {}
 
 
-def attribute_reader(cls: type, name: str) -> Callable[[Any], Any] | None:
-    """A reader of ``.name`` on instances of ``cls`` that runs no code (a slot's descriptor, or the
-    instance's own value past any ``__getattr__``), or None where reading it could run code."""
+def attribute_source(cls: type, name: str) -> tuple[str, Any]:
+    """Where ``.name`` of a ``cls`` instance can be read without running code, decided from the
+    class's MRO dicts: ("member", its slot's descriptor), ("exception", BaseException's getset
+    descriptor), ("own", None): the instance's own value past any ``__getattr__``; ("none", None):
+    reading it could run code (a property, another descriptor, a ``__dict__`` the class overrides)."""
     try:
         mro = type_mro(cls)
     except Exception:
-        return None
+        return "none", None
     for klass in mro:
         found = type_dict(klass).get(name, MISSING)
         if found is not MISSING:
             if type(found) is types.MemberDescriptorType:
-                return lambda obj: found.__get__(obj, cls)
-            return None
-    if not plain_dict_slot(cls):
-        return None
-    return lambda obj: object.__getattribute__(obj, name)
+                return "member", found
+            if klass is BaseException and type(found) is types.GetSetDescriptorType:
+                return "exception", found
+            return "none", None
+    return ("own", None) if plain_dict_slot(cls) else ("none", None)
+
+
+def attribute_reader(cls: type, name: str) -> Callable[[Any], Any] | None:
+    """A reader of ``.name`` on instances of ``cls`` that runs no code (a slot's descriptor, or the
+    instance's own value past any ``__getattr__``; it raises AttributeError where unset), or None
+    where reading it could run code."""
+    source, found = attribute_source(cls, name)
+    if source == "member":
+        return lambda obj: found.__get__(obj, cls)
+    return (lambda obj: object.__getattribute__(obj, name)) if source == "own" else None
 
 
 def read_attribute(obj: Any, name: Any) -> Any:
     """``obj.name`` read without running code: a slot's member descriptor, or the instance's own value."""
     if type(name) is not str:
         return MISSING
-    cls = type(obj)
-    if cls is dict:  # a module's child dicts are walked as dicts with attribute-looking keys
-        return dict.get(obj, name, MISSING)
+    return _read(obj, type(obj), name, *attribute_source(type(obj), name)) if type(obj) is not dict else \
+        dict.get(obj, name, MISSING)  # a module's child dicts are walked as dicts with attribute-looking keys
+
+
+def _read(obj: Any, cls: type, name: str, source: str, found: Any) -> Any:
     try:
-        mro = type_mro(cls)
-    except Exception:
-        return MISSING
-    for klass in mro:
-        found = type_dict(klass).get(name, MISSING)
-        if found is not MISSING:
-            if type(found) is types.MemberDescriptorType:
-                try:
-                    return found.__get__(obj, cls)
-                except AttributeError:
-                    return MISSING
-            if klass is BaseException and type(found) is types.GetSetDescriptorType:
-                return found.__get__(obj, cls)
-            return MISSING  # a property or other descriptor: reading it could run code
-    if not plain_dict_slot(cls):
-        return MISSING
-    try:
-        # The name is no descriptor of the class: this reads the instance's own value (inline or in
-        # its dict) without making a dict or calling __getattr__.
-        return object.__getattribute__(obj, name)
+        if source == "member" or source == "exception":
+            return found.__get__(obj, cls)
+        if source == "own":
+            # The name is no descriptor of the class: this reads the instance's own value (inline or in
+            # its dict) without making a dict or calling __getattr__.
+            return object.__getattribute__(obj, name)
     except AttributeError:
-        return MISSING
+        if source == "exception":
+            raise
+    return MISSING
+
+
+def attribute_getter(cls: type, name: str) -> Callable[[Any], Any]:
+    """``read_attribute`` for instances of ``cls``, decided once: the class's MRO is read here, so
+    a scan re-reading many paths through one type pays for it once."""
+    if cls is dict:
+        return lambda obj: dict.get(obj, name, MISSING)
+    source, found = attribute_source(cls, name)
+    return lambda obj: _read(obj, cls, name, source, found)
+
+
+def attribute_column(cls: type, name: str, objs: list[Any]) -> list[Any] | None:
+    """``read_attribute`` over instances of ``cls`` in one C-level pass; None where it could run
+    code. Raises AttributeError where one instance has no such attribute."""
+    if cls is dict:
+        return list(map(dict.get, objs, repeat(name), repeat(MISSING)))
+    source, found = attribute_source(cls, name)
+    if source == "member" or source == "exception":
+        return list(map(found.__get__, objs, repeat(cls)))
+    return list(map(object.__getattribute__, objs, repeat(name))) if source == "own" else None

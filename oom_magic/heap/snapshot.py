@@ -8,6 +8,8 @@ import gc
 
 import time
 from dataclasses import replace
+from itertools import compress, count
+from operator import attrgetter
 from typing import Any
 
 from ..common._torch import loaded_torch
@@ -16,7 +18,8 @@ from .holders import attribute, attribute_reachable, recheck_remembered
 from ..device.mapped import file_pages, process_file_resident
 from ..device.nvml import Nvml
 from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
-from ..records.snapshot import HOLDER_KINDS, USER, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot, StorageRecord
+from ..records.snapshot import (HOLDER_KINDS, USER, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot,
+                                StorageRecord, held_by)
 from .roots import Roots, collect_roots
 from .tracker import find_tensors, pins_nothing, tensor_types
 
@@ -62,8 +65,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     try:
         holders = attribution.holders
         storages = tuple(
-            StorageRecord(r.key, r.device, r.bytes, r.dtype, r.shape, r.tensor_count, h.kind, h.path, r.address)
-            if (h := holders.get(key)) else r
+            held_by(r, h.kind, h.path) if (h := holders.get(key)) else r
             for key, r in live.storages.items()
         )
     finally:
@@ -88,7 +90,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         notes.append(f"{live.unreadable} tensors' storage could not be read and is not counted "
                      "(a wrapper subclass holds none of its own; its inner tensors are counted)")
     # How to free what a path alone does not say how to (an lru cache: `cached.cache_clear()`), once each.
-    hints = dict.fromkeys(h.hint for h in holders.values() if h.hint)
+    hints = dict.fromkeys(filter(None, map(_HINT, holders.values())))
     notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
     pages = None
     if where == "cpu":
@@ -111,10 +113,9 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
 def _finish(where: str, reading: DeviceReading, storages: tuple[StorageRecord, ...], notes: list[str],
             started: float, scanned: int, complete: bool, top: int, heap_scan: bool,
             kernels: tuple[tuple[int, KernelInfo], ...], pages: FilePages | None) -> Snapshot:
-    totals: dict[HolderKind, int] = {kind: 0 for kind in HOLDER_KINDS}
-    for record in storages:
-        totals[record.holder_kind] += record.bytes
-    storages = tuple(sorted(storages, key=lambda r: -r.bytes))
+    kinds, sizes = list(map(_KIND, storages)), list(map(_BYTES, storages))
+    totals = {kind: sum(compress(sizes, map(kind.__eq__, kinds))) for kind in HOLDER_KINDS}
+    storages = tuple(sorted(storages, key=_BYTES, reverse=True))  # stable: equal sizes keep their order
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
                     scanned, complete, tuple(notes), top, heap_scan=heap_scan,
                     kernels=kernels, file_pages=pages)
@@ -122,20 +123,20 @@ def _finish(where: str, reading: DeviceReading, storages: tuple[StorageRecord, .
 
 def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[StorageRecord, ...], FilePages | None]:
     """cpu: mark each storage's bytes that are views of a memory-mapped file, and sum them by holder kind."""
-    views = file_pages((r.address, r.bytes) for r in storages)
+    views = file_pages(zip(map(_ADDRESS, storages), map(_BYTES, storages)))
     if views is None:
         return storages, None  # not Linux: no /proc/self/maps to tell file pages from anonymous memory
     by_kind: dict[HolderKind, int] = {}
-    marked = []
-    for record, mapped in zip(storages, views.mapped):
-        if mapped:
-            by_kind[record.holder_kind] = by_kind.get(record.holder_kind, 0) + mapped
-            record = replace(record, mapped_bytes=mapped)
-        marked.append(record)
+    marked = list(storages)
+    for at in compress(count(), views.mapped):
+        record, mapped = marked[at], views.mapped[at]
+        by_kind[record.holder_kind] = by_kind.get(record.holder_kind, 0) + mapped
+        marked[at] = replace(record, mapped_bytes=mapped)
     return tuple(marked), FilePages(tuple(sorted(by_kind.items())), views.file_bytes, views.resident, views.files,
                                     process_file_resident())
 
 
+_ADDRESS, _BYTES, _KIND, _HINT = (attrgetter(name) for name in ("address", "bytes", "holder_kind", "hint"))
 _UNCHANGED_NOTE = ("the allocator's allocation and free counts have not moved since the last scan: its storages' "
                    "remembered paths were re-checked, with no heap pass")
 # device -> (the allocator's (allocated, freed) block counts, the storages found then). Records

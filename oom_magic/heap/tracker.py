@@ -15,13 +15,14 @@ import gc
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from itertools import compress
+from itertools import compress, repeat
+import operator
 from types import ModuleType
 from functools import wraps
 from typing import Any, TypeVar
 from collections.abc import Callable, Iterable, Iterator
 
-from ..records.snapshot import StorageRecord  # re-exported: the record of one storage
+from ..records.snapshot import OTHER, StorageRecord, storage_record  # StorageRecord: re-exported
 
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
@@ -143,22 +144,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         tensors.clear()
         return LiveTensors(kept, storage_of, {}, objects_scanned, 0, 0)
     with reader.no_subclass_code():
-        for tensor in tensors:
-            cls_id = id(type(tensor))
-            if cls_id in byteless_types:
-                counts[0] += 1
-            elif cls_id in bare:
-                bare_storages.append(tensor)
-            else:
-                try:
-                    if reader.is_meta(tensor):
-                        counts[0] += 1
-                    elif reader.layout(tensor) is not reader.strided:
-                        sparse.append((tensor, _device_name(reader.device(tensor), device_names)))
-                    else:
-                        dense.append(tensor)
-                except Exception:
-                    counts[1] += 1
+        _sort_kinds(tensors, reader, byteless_types, bare, dense, sparse, bare_storages, device_names, counts)
         tensors.clear()
         # Sparse first: the index and value tensors its parts were read through then join its
         # record (their storages are its bytes) rather than count again, unnamed, as 'other'.
@@ -192,6 +178,11 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         # Reading a tensor's storage leaves that storage's object alive (torch keeps it while the
         # tensor lives): one per counted storage after a scan, skipped by its key before other reads.
         counted: _Ranges | None = None
+        try:  # most are the storage objects of counted tensors: dropped by key in one pass
+            storage_keys = list(map(reader.cdata, bare_storages))
+            bare_storages[:] = compress(bare_storages, map(operator.not_, map(groups.__contains__, storage_keys)))
+        except Exception:
+            pass  # read one by one below
         for storage in bare_storages:
             try:
                 key = int(reader.cdata(storage))
@@ -217,35 +208,156 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
             storage_of[id(storage)] = key
             groups[key] = [where, nbytes, None, 0, (nbytes,), address]
         bare_storages.clear()
-        dtype_names: dict[Any, str] = {}
-        storages = {
-            key: StorageRecord(key, where, nbytes,
-                               _dtype_name(named, dtype_names, reader) if named is not None else "uint8",
-                               shape if shape is not None else reader.shape(named), count, address=address)
-            for key, (where, nbytes, named, count, shape, address) in groups.items()
-        }
+        storages = _records(groups, reader)
     groups.clear()
     return LiveTensors(kept, storage_of, storages, objects_scanned, counts[0], counts[1])
+
+
+def _sort_kinds(tensors: list[Any], reader: _Reader, byteless_types: frozenset[int], bare: frozenset[int],
+                dense: list[Any], sparse: list[tuple[Any, str]], bare_storages: list[Any],
+                device_names: dict[Any, str], counts: list[int]) -> None:
+    """Sort the heap pass's finds into dense tensors, sparse ones (with their device), bare storages,
+    and counts of byteless (meta, fake) and unreadable ones. In C-level passes where every read
+    succeeds; one by one (each failure counted) where one fails."""
+    tids = list(map(id, map(type, tensors)))
+    special = byteless_types | bare
+    if special and not special.isdisjoint(tids):
+        is_special = list(map(special.__contains__, tids))
+        if byteless_types.isdisjoint(tids):  # the storage objects earlier scans' reads left: all bare
+            bare_storages.extend(compress(tensors, is_special))
+        else:
+            for tensor, tid in zip(compress(tensors, is_special), compress(tids, is_special)):
+                if tid in byteless_types:
+                    counts[0] += 1
+                else:
+                    bare_storages.append(tensor)
+        tensors = list(compress(tensors, map(operator.not_, is_special)))
+    try:
+        metas = list(map(reader.is_meta, tensors))
+        strided = list(map(operator.is_, map(reader.layout, tensors), repeat(reader.strided)))
+    except Exception:
+        metas, strided = [], []
+    if metas and not any(metas) and all(strided):
+        dense.extend(tensors)
+        return
+    for tensor in tensors:
+        try:
+            if reader.is_meta(tensor):
+                counts[0] += 1
+            elif reader.layout(tensor) is not reader.strided:
+                sparse.append((tensor, _device_name(reader.device(tensor), device_names)))
+            else:
+                dense.append(tensor)
+        except Exception:
+            counts[1] += 1
 
 
 def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: dict[int, list[Any]],
                  claimed: dict[int, int], kept: list[Any], storage_of: dict[int, int],
                  device_names: dict[Any, str], counts: list[int]) -> None:
-    empty: set[int] = set()
+    """Group dense tensors by storage: the first tensor of each new storage is read in C-level passes
+    (its storage's size and address, its device), the others one by one (``_group_each``)."""
+    try:
+        keys = list(map(reader.key, dense))
+        if claimed:
+            keys = [claimed.get(k, k) for k in keys]
+        first = dict(zip(reversed(keys), reversed(range(len(keys)))))  # storage -> its first tensor's index
+        for key in groups.keys() & first.keys():
+            del first[key]  # a storage a sparse tensor counts: joined one by one
+        heads = dense if len(first) == len(dense) else [dense[i] for i in sorted(first.values())]
+        head_keys = keys if heads is dense else list(map(keys.__getitem__, sorted(first.values())))
+        storage_objects = list(map(reader.storage, heads))
+        sizes = list(map(reader.nbytes, storage_objects))
+        addresses = list(map(reader.data_ptr, storage_objects))  # a wrapper subclass's storage has none: raises
+        del storage_objects
+        devices = list(map(reader.device, heads))
+        for where in set(devices):
+            _device_name(where, device_names)
+        wheres = list(map(device_names.__getitem__, devices))
+    except Exception:
+        _group_each(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts)
+        _drop_placeholders(groups)
+        return
+    counted = list(map(bool, sizes))  # an empty storage holds no bytes: byteless
+    if device is not None:
+        counted = list(map(operator.and_, counted, map(device.__eq__, wheres)))
+    if all(counted):
+        kept.extend(heads)
+        storage_of.update(zip(map(id, heads), head_keys))
+        groups.update(zip(head_keys, map(list, zip(wheres, sizes, heads, repeat(1), repeat(None), addresses))))
+    else:
+        for tensor, key, where, nbytes, address in zip(heads, head_keys, wheres, sizes, addresses):
+            if nbytes == 0:
+                counts[0] += 1
+                groups[key] = _EMPTY
+            elif device is None or where == device:
+                kept.append(tensor)
+                storage_of[id(tensor)] = key
+                groups[key] = [where, nbytes, tensor, 1, None, address]
+            else:
+                groups[key] = _ELSEWHERE
+    if heads is not dense:
+        is_head = set(map(id, heads))
+        _group_each([t for t in dense if id(t) not in is_head], reader, device, groups, claimed, kept,
+                    storage_of, device_names, counts)
+    _drop_placeholders(groups)
+
+
+def _drop_placeholders(groups: dict[int, list[Any]]) -> None:
+    for key in [k for k, g in groups.items() if g is _EMPTY or g is _ELSEWHERE]:
+        del groups[key]
+
+
+# Placeholders while grouping: a storage read as empty (its other tensors are byteless too), or on
+# another device than the one asked about (its other tensors are left out too).
+_EMPTY: list[Any] = ["empty"]
+_ELSEWHERE: list[Any] = ["elsewhere"]
+
+
+def _records(groups: dict[int, list[Any]], reader: _Reader) -> dict[int, StorageRecord]:
+    """A record per storage group; the naming tensors' dtypes and shapes read in C-level passes where
+    every group has one (a bare storage is uint8 of its size) and every read succeeds."""
+    if not groups:
+        return {}
+    keys = list(groups)
+    wheres, sizes, named, counts, shapes, addresses = zip(*groups.values())
+    try:
+        if any(map(operator.is_, named, repeat(None))):
+            raise LookupError("a bare storage")
+        dtypes = list(map(reader.dtype, named))
+        names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
+        dtype_names = list(map(names.__getitem__, dtypes))
+        read = list(map(tuple, map(reader._shape, named)))
+        if not all(map(operator.is_, shapes, repeat(None))):  # the largest view's shape, kept while grouping
+            read = [r if shape is None else shape for shape, r in zip(shapes, read)]
+    except Exception:  # one by one: a failing read gives that storage an unknown dtype or no shape
+        cache: dict[Any, str] = {}
+        dtype_names = [_dtype_name(t, cache, reader) if t is not None else "uint8" for t in named]
+        read = [shape if shape is not None else reader.shape(t) for t, shape in zip(named, shapes)]
+    return dict(zip(keys, map(storage_record, keys, wheres, sizes, dtype_names, read, counts, repeat(OTHER),
+                              repeat(None), addresses)))
+
+
+def _group_each(dense: list[Any], reader: _Reader, device: str | None, groups: dict[int, list[Any]],
+                claimed: dict[int, int], kept: list[Any], storage_of: dict[int, int],
+                device_names: dict[Any, str], counts: list[int]) -> None:
+    """``_group_dense`` one tensor at a time: a read that fails counts that tensor alone as unreadable."""
     for tensor in dense:
         try:
             key = reader.key(tensor)
             key = claimed.get(key, key)
             group = groups.get(key)
+            if group is _EMPTY:
+                counts[0] += 1
+                continue
+            if group is _ELSEWHERE:
+                continue
             if group is None:
                 # Read once per storage (the storage object is made for it; the key was not).
-                if key in empty:
-                    counts[0] += 1
-                    continue
                 storage = reader.storage(tensor)
                 nbytes = int(reader.nbytes(storage))
                 if nbytes == 0:
-                    empty.add(key)
+                    groups[key] = _EMPTY
                     counts[0] += 1
                     continue
                 address = reader.data_ptr(storage)  # a wrapper subclass's storage has none: it raises
@@ -258,6 +370,7 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
             counts[1] += 1
             continue
         if device is not None and where != device:
+            groups[key] = _ELSEWHERE
             continue
         kept.append(tensor)
         storage_of[id(tensor)] = key

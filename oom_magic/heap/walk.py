@@ -29,9 +29,10 @@ import operator
 import sys
 import time
 import types
-from itertools import chain, compress, count, islice, repeat
+from bisect import bisect_right
+from itertools import accumulate, chain, compress, count, islice, repeat
 from typing import Any
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from ..records.snapshot import HolderKind
 from .reads import array_items, deque_type, function_dict, mro_has, type_mro
@@ -54,24 +55,52 @@ SLICE = 8192
 NARROW = 4
 
 
-def _counts(lists: list[list[Any]]) -> Iterator[int]:
-    return map(sys.getrefcount, chain.from_iterable(lists))
+def _once_counts(through_lists: bool) -> tuple[int, int]:
+    """The reference count of an object one owner alone holds, read as ``_extend`` reads it: (in the
+    flat list of the owners' children, in that list's tracked part too); ``through_lists``: the children
+    were read into a list per owner (gc.get_referents), alive meanwhile, not iterated from the owner."""
+    owner = [object()]  # the only reference to the object
+    lists = [gc.get_referents(owner)] if through_lists else [owner]
+    flat = list(chain.from_iterable(lists))
+    kept = list(compress(flat, [True]))
+    return next(map(sys.getrefcount, flat)) - 1, next(map(sys.getrefcount, kept))  # - 1: kept's own
 
 
-def _held_once(lists: list[list[Any]]) -> list[bool]:
-    """For each object in these lists, whether the one list it sits in and one owner are all that hold it."""
-    return list(map(_ONCE.__eq__, _counts(lists)))
+# Such an object is reached through that owner alone, so the walk needs no visited entry for it
+# (most of a heap); free-threaded builds count references per thread: every object is looked up there.
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+_ONCE_ITERATED = _once_counts(False) if _GIL else (-1, -1)
+_ONCE_LISTED = _once_counts(True) if _GIL else (-1, -1)
+_ONCE_PART = _ONCE_ITERATED[0]  # a slice of a huge container: its one part list as the flat list
 
 
-def _once_count() -> int:
-    owner = [object()]  # the only reference to the object: as a referent list from one owner
-    return next(_counts([gc.get_referents(owner)]))
+class _Parents:
+    """Who holds each child of one expanded slice, without an entry per child: the child at position
+    ``p`` of the slice's children (atoms included) belongs to ``objs[bisect_right(ends, p)]``; ``at``
+    holds each kept child's position, in the order of the kept children."""
 
+    __slots__ = ("at", "ends", "objs")
 
-# The reference count an object held by one owner has while it sits in one referent list. Such an
-# object is reached through that owner alone, so the walk needs no visited entry for it (most of a
-# heap); free-threaded builds count references per thread: every object is looked up there.
-_ONCE = _once_count() if getattr(sys, "_is_gil_enabled", lambda: True)() else -1
+    def __init__(self, objs: list[Any], ends: list[int], at: list[int]) -> None:
+        self.objs, self.ends, self.at = objs, ends, at
+
+    def add(self, objs: list[Any], lens: Iterable[int]) -> int:
+        """Append owners and how many children each has; the position of their first child."""
+        base = self.ends[-1] if self.ends else 0
+        self.objs.extend(objs)
+        self.ends.extend(islice(accumulate(lens, initial=base), 1, None))
+        return base
+
+    def part(self, start: int, stop: int) -> _Parents:
+        return _Parents(self.objs, self.ends, self.at[start:stop])
+
+    def keep(self, mask: Iterable[bool]) -> _Parents:
+        return _Parents(self.objs, self.ends, list(compress(self.at, mask)))
+
+    def of(self, positions: Iterable[int]) -> list[Any]:
+        """The owners of the kept children at these indexes of ``at``."""
+        objs, ends, at = self.objs, self.ends, self.at
+        return [objs[bisect_right(ends, at[i])] for i in positions]
 
 _SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
                types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
@@ -142,9 +171,9 @@ class Walk:
         self._skip = frozenset(map(id, self._pinned))
         self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
         self.roots: dict[int, Root] = {}
-        # (ids, their parents, whether a parent may sit in the same segment): a parent is always
-        # reached before its children, so one backwards pass finds every ancestor of a set of ids.
-        self._segments: list[tuple[list[int], list[Any], bool]] = []
+        # (ids, their parents: a list or a _Parents, whether a parent may sit in the same segment): a
+        # parent is always reached before its children, so one backwards pass finds every ancestor.
+        self._segments: list[tuple[list[int], list[Any] | _Parents, bool]] = []
         self.wanted = wanted if wanted is not None else {}
         self._wanted_ids = set(self.wanted)
         self.storages_left = len(set(self.wanted.values()))
@@ -186,7 +215,7 @@ class Walk:
             if not self._level and self._later:
                 later, self._later = self._later, []
                 kids, parents, once = self._expand(later, defer=False)
-                self._level = self._mark(kids, parents, once)
+                self._level = self._mark(kids, parents, once, tracked=True)
                 del kids, parents, once, later
                 continue
             if not self._level and self._big:
@@ -199,9 +228,9 @@ class Walk:
                 if not self._keys:
                     self.exhausted = True
                     return
-                level, parents = self._keys, self._key_parents
+                level, key_parents = self._keys, self._key_parents
                 self._keys, self._key_parents = [], []
-                self._level = self._mark(level, parents)
+                self._level = self._mark(level, key_parents, tracked=True)  # tracked keys alone
                 continue
             level, self._level = self._level, []
             if len(level) <= NARROW:
@@ -210,18 +239,19 @@ class Walk:
             following = []
             for start in range(0, len(level), SLICE):
                 kids, parents, once = self._expand(level[start:start + SLICE])
-                stop = self._mark_slices(kids, parents, once, following)
+                stop = self._mark_slices(kids, parents, once, following, tracked=True)
                 del kids, parents, once
                 if stop:
                     break
             self._level = following
 
-    def _mark_slices(self, kids: list[Any], parents: list[Any], once: list[bool] | None,
-                     following: list[Any]) -> bool:
+    def _mark_slices(self, kids: list[Any], parents: list[Any] | _Parents, once: list[bool] | None,
+                     following: list[Any], tracked: bool = False) -> bool:
         """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
         for at in range(0, len(kids), SLICE):
             part = once[at:at + SLICE] if once is not None else None
-            following.extend(self._mark(kids[at:at + SLICE], parents[at:at + SLICE], part))
+            ups = parents.part(at, at + SLICE) if isinstance(parents, _Parents) else parents[at:at + SLICE]
+            following.extend(self._mark(kids[at:at + SLICE], ups, part, tracked))
             if self._out_of_budget() or self.done:
                 return True
         return False
@@ -247,7 +277,7 @@ class Walk:
                 if what != GENERIC:
                     flush()  # the bulk passes append segments of their own: keep parents first
                     kids, parents, once = self._expand([obj])
-                    if self._mark_slices(kids, parents, once, following):
+                    if self._mark_slices(kids, parents, once, following, tracked=True):
                         return following
                     continue
                 kids = gc.get_referents(obj)
@@ -315,7 +345,9 @@ class Walk:
                 hit = list(map(wanted.__contains__, seg_ids))
                 if not any(hit):
                     continue
-                kids, ups = list(compress(seg_ids, hit)), list(compress(seg_parents, hit))
+                kids = list(compress(seg_ids, hit))
+                ups = (seg_parents.of(compress(count(), hit)) if isinstance(seg_parents, _Parents)
+                       else list(compress(seg_parents, hit)))
                 result.update(zip(reversed(kids), reversed(ups)))  # reversed: a child's first parent wins
                 wanted.difference_update(kids)
                 for up in set(map(id, ups)).difference(result):  # no parent sits in its child's segment
@@ -351,9 +383,9 @@ class Walk:
             self.complete = False
         return not self.complete
 
-    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], list[Any], list[bool]]:
-        """What one slice of a level refers to, the parent of each, and whether that parent is all
-        that holds it (the same length)."""
+    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], _Parents, list[bool]]:
+        """What one slice of a level refers to (tracked objects and object arrays), their parents, and
+        whether that parent is all that holds each (the same length)."""
         cats = self._cats
         tids = list(map(id, map(type, level)))
         present_types = set(tids)
@@ -371,7 +403,7 @@ class Walk:
         # Each object's kind only where a slice mixes kinds (a level of one type needs no second pass).
         kinds = list(map(cats.__getitem__, tids)) if len(present) > 1 else []
         kids: list[Any] = []
-        parents: list[Any] = []
+        parents = _Parents([], [], [])
         once: list[bool] = []
         # Ties go to what is named by a key or index: a dict's values before generic referents.
         for what in sorted(present, key=_TIE_ORDER.__getitem__):
@@ -379,14 +411,14 @@ class Walk:
             if what == LATER and defer:
                 self._later.extend(objs)
             elif what == GENERIC or what == LATER:
-                lists = list(map(gc.get_referents, objs))
-                self._extend(kids, parents, once, objs, lists)
+                self._extend_listed(kids, parents, once, objs, list(map(gc.get_referents, objs)))
             elif what == SEQ:
                 if max(map(len, objs)) > SLICE:  # a huge container is read a slice at a time, on the clock
                     self._big.extend(o for o in objs if len(o) > SLICE)
                     objs = [o for o in objs if len(o) <= SLICE]
-                lists = list(map(gc.get_referents, objs))
-                self._extend(kids, parents, once, objs, lists)
+                # Exact builtin containers: iterated by their own C code, no list per container.
+                self._extend(kids, parents, once, objs, list(chain.from_iterable(objs)), map(len, objs),
+                             _ONCE_ITERATED)
             elif what == DICT:
                 if self._wrapper_dicts and defer:
                     self._later.extend(d for d in objs if id(d) in self._wrapper_dicts)
@@ -396,24 +428,22 @@ class Walk:
                 if max(map(dict.__len__, objs)) > SLICE:
                     self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
                     objs = [d for d in objs if dict.__len__(d) <= SLICE]
-                lists = list(map(list, map(dict.values, objs)))
-                self._extend(kids, parents, once, objs, lists)
+                self._extend(kids, parents, once, objs, list(chain.from_iterable(map(dict.values, objs))),
+                             map(dict.__len__, objs), _ONCE_ITERATED)
                 if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, objs)))):
                     self._defer_keys(objs)
             elif what == FUNCTION:
                 lists = [[c for c in (f.__closure__, f.__defaults__, f.__kwdefaults__,
                                       function_dict(f)) if c is not None] for f in objs]
-                self._extend(kids, parents, once, objs, lists)
+                self._extend_listed(kids, parents, once, objs, lists)
                 # functools.wraps copies the wrapped object's __dict__ into the wrapper's (torch.compile
                 # wraps the model: `cm.forward._modules`): entered last, after the object's own names.
                 self._wrapper_dicts.update(id(d) for f in objs if (d := function_dict(f)) is not None
                                            and "__wrapped__" in d)
             elif what == FRAME:
-                lists = [self._frame_locals(f) for f in objs]
-                self._extend(kids, parents, once, objs, lists)
+                self._extend_listed(kids, parents, once, objs, [self._frame_locals(f) for f in objs])
             elif what == NDARRAY:
-                lists = [array_items(a, self.ndarray) for a in objs]
-                self._extend(kids, parents, once, objs, lists)
+                self._extend_listed(kids, parents, once, objs, [array_items(a, self.ndarray) for a in objs])
         return kids, parents, once
 
     def _defer_keys(self, dicts: list[Any]) -> None:
@@ -436,36 +466,64 @@ class Walk:
                 part = list(islice(it, SLICE))
                 if not part:
                     break
-                following.extend(self._mark(part, [obj] * len(part), _held_once([part])))
+                once = list(map(_ONCE_PART.__eq__, map(sys.getrefcount, part)))
+                following.extend(self._mark(part, [obj] * len(part), once))
                 if self._out_of_budget() or self.done:
                     return True
         return False
 
-    @staticmethod
-    def _extend(kids: list[Any], parents: list[Any], once: list[bool], objs: list[Any],
-                lists: list[list[Any]]) -> None:
-        once.extend(_held_once(lists))  # first: the counts read are those of the lists alone
-        kids.extend(chain.from_iterable(lists))
-        parents.extend(chain.from_iterable(map(repeat, objs, map(len, lists))))
+    def _extend_listed(self, kids: list[Any], parents: _Parents, once: list[bool], objs: list[Any],
+                       lists: list[list[Any]]) -> None:
+        """``_extend`` for children read into a list per owner."""
+        self._extend(kids, parents, once, objs, list(chain.from_iterable(lists)), map(len, lists), _ONCE_LISTED)
+        del lists  # alive until here: the once counts read above include it
 
-    def _mark(self, kids: list[Any], parents: list[Any], once: list[bool] | None = None) -> list[Any]:
+    def _extend(self, kids: list[Any], parents: _Parents, once: list[bool], objs: list[Any], flat: list[Any],
+                lens: Iterable[int], held: tuple[int, int]) -> None:
+        """Add the tracked objects and object arrays of ``flat`` (``objs``' children, ``lens`` of each),
+        their parents and whether that parent alone holds each (``held``: the reference counts that
+        says so, ``_once_counts``). Most children are atoms (ints, strings), dropped before other reads."""
+        at = parents.add(objs, lens)
+        if not flat:
+            return
+        mask = list(map(gc.is_tracked, flat))
+        if all(mask):
+            once.extend(map(held[0].__eq__, map(sys.getrefcount, flat)))  # before kids holds them too
+            kids.extend(flat)
+            parents.at.extend(range(at, at + len(flat)))
+            return
+        self._keep_arrays(flat, mask)
+        if not any(mask):
+            return
+        kept = list(compress(flat, mask))
+        once.extend(map(held[1].__eq__, map(sys.getrefcount, kept)))
+        kids.extend(kept)
+        parents.at.extend(compress(count(at), mask))
+
+    def _keep_arrays(self, objs: list[Any], mask: list[bool]) -> None:
+        """Set ``mask`` for the numpy arrays among ``objs``: untracked by gc, an object array holds objects."""
+        ndarray = self.ndarray
+        if ndarray is not None and any(map(operator.is_, map(type, compress(objs, map(operator.not_, mask))),
+                                           repeat(ndarray))):
+            for i in compress(count(), map(operator.is_, map(type, objs), repeat(ndarray))):
+                mask[i] = True
+
+    def _mark(self, kids: list[Any], parents: list[Any] | _Parents, once: list[bool] | None = None,
+              tracked: bool = False) -> list[Any]:
         """Keep the tracked children (and untracked object arrays) not reached before; record parents.
 
         ``once``: for each child, whether its parent alone holds it (never reached another way, so
-        not looked up in ``visited`` nor added to it); None: every child is looked up.
+        not looked up in ``visited`` nor added to it); None: every child is looked up. ``tracked``:
+        the children are kept ones already (``_extend``'s).
         """
-        mask = list(map(gc.is_tracked, kids))
-        if not all(mask):
-            ndarray = self.ndarray
-            if ndarray is not None and any(map(operator.is_, map(type, compress(kids, map(operator.not_, mask))),
-                                               repeat(ndarray))):
-                # numpy arrays are not gc-tracked: keep the ones among the children (by type).
-                for i in compress(count(), map(operator.is_, map(type, kids), repeat(ndarray))):
-                    mask[i] = True
-            kids = list(compress(kids, mask))
-            parents = list(compress(parents, mask))
-            if once is not None:
-                once = list(compress(once, mask))
+        if not tracked and not isinstance(parents, _Parents):
+            mask = list(map(gc.is_tracked, kids))
+            if not all(mask):
+                self._keep_arrays(kids, mask)
+                kids = list(compress(kids, mask))
+                parents = list(compress(parents, mask))
+                if once is not None:
+                    once = list(compress(once, mask))
         ids = list(map(id, kids))
         if once is None or not any(once):
             new = set(ids).difference(self.visited)  # iterates the slice, not everything visited
@@ -477,7 +535,8 @@ class Walk:
             keep = list(map(operator.or_, once, map(new.__contains__, ids))) if new else once
         self.visited.update(new)
         if keep is not None:
-            ids, parents = list(compress(ids, keep)), list(compress(parents, keep))
+            ids = list(compress(ids, keep))
+            parents = parents.keep(keep) if isinstance(parents, _Parents) else list(compress(parents, keep))
             kids = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
         if not ids:
             return []

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from .data import record_dict
+from .data import frozen_record, record_dict
 from .shown import Shown
 
 if TYPE_CHECKING:  # annotation only: the reading's record lives beside the code that reads it
@@ -46,6 +46,23 @@ class StorageRecord:
     holder_path: str | None = None
     address: int = 0  # the storage's data pointer (0: not read): tells file-mapped bytes on the cpu
     mapped_bytes: int = 0  # cpu: of bytes, a view of a memory-mapped file (file pages, not anonymous memory)
+
+
+def storage_record(key: int, device: str, nbytes: int, dtype: str, shape: tuple[int, ...], tensor_count: int,
+                   holder_kind: HolderKind = "other", holder_path: str | None = None, address: int = 0,
+                   mapped_bytes: int = 0) -> StorageRecord:
+    """``StorageRecord(...)`` at a third of its cost (``frozen_record``): a scan of 100,000 tensors builds
+    100,000 of them."""
+    return frozen_record(StorageRecord, {
+        "key": key, "device": device, "bytes": nbytes, "dtype": dtype, "shape": shape, "tensor_count": tensor_count,
+        "holder_kind": holder_kind, "holder_path": holder_path, "address": address, "mapped_bytes": mapped_bytes})
+
+
+def held_by(record: StorageRecord, holder_kind: HolderKind, holder_path: str | None) -> StorageRecord:
+    """``dataclasses.replace(record, holder_kind=..., holder_path=...)`` at a fifth of its cost."""
+    fields = record.__dict__.copy()
+    fields["holder_kind"], fields["holder_path"] = holder_kind, holder_path
+    return frozen_record(StorageRecord, fields)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,188 @@
+"""The engine's bulk passes give what their one-object-at-a-time forms give, on real objects.
+
+The walk reads a slice's children with one list per slice and finds each child's parent back
+from positions (``_Parents``); grouping reads the heap pass's tensors in C-level passes; a steady
+scan re-reads many remembered paths a step at a time over all of them (``resolve_columns``);
+records are made without a frozen ``__setattr__`` per field. Each is held here to the plain form.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from oom_magic.heap import tracker
+from oom_magic.heap.holders import Holder
+from oom_magic.heap.reads import MISSING
+from oom_magic.heap.remembered import RememberedPaths
+from oom_magic.heap.resolve import column_form, resolve, resolve_columns
+from oom_magic.heap.walk import Walk
+from oom_magic.records.data import frozen_record
+from oom_magic.records.snapshot import USER, StorageRecord, held_by, storage_record
+
+
+class Token:
+    __slots__ = ("id", "text", "vector")
+
+    def __init__(self, i: int, vector: object) -> None:
+        self.id, self.text, self.vector = i, f"t{i}", vector
+
+
+class Row:
+    def __init__(self, i: int, embedding: object) -> None:
+        self.id, self.embedding = i, embedding
+
+
+def _heap() -> dict[str, object]:
+    """Every kind the walk expands in bulk: slot records, dict instances, dicts, lists, tuples, sets,
+    a deque, a numpy object array, and objects held twice (visited, not once)."""
+    shared = torch.ones(3)
+    tokens = [Token(i, torch.ones(2) if i % 7 == 0 else [i, i + 1]) for i in range(300)]
+    return {
+        "tokens": tokens,
+        "rows": [Row(i, torch.ones(1) if i % 5 == 0 else None) for i in range(200)],
+        "cache": {f"layer_{i}": (torch.ones(2), torch.ones(2)) for i in range(50)},
+        "pairs": {(i, f"s{i}") for i in range(40)} | {(99, "t")},
+        "queue": collections.deque({"obs": torch.ones(1), "step": i} for i in range(30)),
+        "column": np.array([torch.ones(1), None, shared], dtype=object),
+        "twice": [shared, shared, tokens[7]],
+    }
+
+
+def _children(obj: object) -> list[int]:
+    if type(obj) is dict:
+        return list(map(id, obj.values()))
+    if type(obj) is np.ndarray:
+        return list(map(id, obj.ravel().tolist()))
+    return list(map(id, gc.get_referents(obj)))
+
+
+def test_every_object_the_walk_reaches_has_the_parent_that_holds_it():
+    heap = _heap()
+    # Held here as a scan holds them (so each is looked up, not taken as held once): read back whole chains.
+    tensors = [o for o in gc.get_objects() if type(o) is torch.Tensor]
+    walk = Walk([heap, tensors])
+    try:
+        walk.start(USER, list(heap.items()))
+        walk.run()
+        reached = [id(t) for t in tensors if walk.reached(id(t))]
+        assert len(reached) >= 43 + 40 + 100 + 30 + 2
+        parents = walk.parents_of(reached)
+        assert len(parents) > len(reached)  # with every ancestor up to the roots
+        for child, parent in parents.items():
+            if type(parent).__name__ != "Root":
+                assert child in _children(parent), type(parent)
+        assert id(heap["column"][0]) in parents  # an untracked object array's item
+    finally:
+        walk.release()
+
+
+def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
+    base = torch.zeros(40, 10)
+    empty = torch.empty(0)
+    tensors = [base, base[3], base[5:9], torch.ones(7, dtype=torch.float16), empty, empty[0:0],
+               torch.empty(4, device="meta"), torch.eye(5).to_sparse(), torch.ones(3).untyped_storage(),
+               torch.nn.Parameter(torch.ones(2, 2))]
+    types = tracker.tensor_types(torch)
+
+    def grouped():
+        live = tracker.group_storages(list(tensors), types)
+        try:
+            return live.storages, sorted(live.storage_of.values()), live.byteless, live.unreadable
+        finally:
+            live.release()
+
+    in_bulk = grouped()
+    def one_by_one(dense, reader, device, groups, *rest):
+        tracker._group_each(dense, reader, device, groups, *rest)
+        tracker._drop_placeholders(groups)
+
+    monkeypatch.setattr(tracker, "_group_dense", one_by_one)
+    assert grouped() == in_bulk
+    storages, _, byteless, _ = in_bulk
+    assert storages[base.untyped_storage()._cdata].tensor_count == 3
+    assert storages[base.untyped_storage()._cdata].shape == (40, 10)
+    assert byteless == 3  # the meta tensor and the two views of the empty storage
+
+
+def test_a_device_asked_about_leaves_the_others_out():
+    tensors = [torch.ones(4), torch.ones(4)[1:]]
+    live = tracker.group_storages(list(tensors), tracker.tensor_types(torch), "cuda:0")
+    assert live.storages == {} and live.tensors == [] and live.byteless == 0
+
+
+def _paths() -> tuple[dict[str, object], list[tuple[str, tuple]]]:
+    heap = _heap()
+    paths = [("tokens", (("index", i), ("attr", "vector"))) for i in range(0, 300, 7)]
+    paths += [("rows", (("index", i), ("",), ("key", "embedding"))) for i in range(0, 200, 5)]
+    paths += [("cache", (("key", f"layer_{i}"), ("index", 1))) for i in range(50)]
+    return heap, paths
+
+
+def test_paths_re_read_together_reach_what_each_re_read_alone_reaches():
+    heap, paths = _paths()
+    groups: dict[tuple, list[tuple]] = {}
+    for name, steps in paths:
+        ops, arguments = column_form(steps)
+        groups.setdefault((name, ops), []).append((steps, arguments))
+    assert len(groups) == 3
+    for (name, ops), members in groups.items():
+        columns = [list(values) for values in zip(*(arguments for _, arguments in members))]
+        together = resolve_columns(heap[name], ops, columns)
+        alone = [resolve(heap[name], steps) for steps, _ in members]
+        assert together is not None and all(a is b for a, b in zip(together, alone))
+        assert all(type(t) is torch.Tensor for t in together)
+
+
+@pytest.mark.parametrize("break_it", ["index past the end", "unset slot", "mixed types", "missing key"])
+def test_paths_that_cannot_all_be_re_read_together_say_so(break_it: str):
+    heap, _ = _paths()
+    ops, _ = column_form((("index", 0), ("attr", "vector")))
+    indexes = [0, 7, 14]
+    if break_it == "index past the end":
+        indexes.append(10_000)
+    elif break_it == "unset slot":
+        heap["tokens"].append(Token.__new__(Token))
+        indexes.append(len(heap["tokens"]) - 1)
+    elif break_it == "mixed types":
+        heap["tokens"].append(Row(1, torch.ones(1)))
+        indexes.append(len(heap["tokens"]) - 1)
+    else:
+        ops, _ = column_form((("key", "layer_0"), ("index", 1)))
+        assert resolve_columns(heap["cache"], ops, [["layer_0", "no such layer"]]) is None
+        return
+    assert resolve_columns(heap["tokens"], ops, [indexes]) is None
+    assert resolve(heap["tokens"], (("index", indexes[-1]), ("attr", "vector"))) is MISSING
+
+
+def test_remembered_paths_join_their_column_as_they_come():
+    _, paths = _paths()
+    added, rebuilt = RememberedPaths(1_000), RememberedPaths(1_000)
+    added.columns()  # built empty, then grown path by path
+    for key, (name, steps) in enumerate(paths):
+        holder = Holder(USER, f"{name}#{key}", name)
+        added.remember(key, name, steps, holder)
+        rebuilt.remember(key, name, steps, holder)
+    assert added.columns() == rebuilt.columns()
+    columns, singles = added.columns()
+    assert len(columns) == 3 and singles == []
+    added.remember(0, "tokens", (("index", 0), ("cell",)), Holder(USER, "changed", "tokens"))
+    columns, singles = added.columns()  # a changed path: rebuilt, and one by one now
+    assert singles == [0] and 0 not in columns[("tokens", (("index", None), ("attr", "vector")))].keys
+
+
+def test_records_made_in_bulk_are_the_dataclass_records():
+    fields = dict(key=1, device="cpu", nbytes=16, dtype="float32", shape=(4,), tensor_count=2)
+    made = storage_record(**fields, address=99)
+    plain = StorageRecord(1, "cpu", 16, "float32", (4,), 2, address=99)
+    assert made == plain and hash(made) == hash(plain) and repr(made) == repr(plain)
+    assert held_by(made, USER, "x[1]") == dataclasses.replace(plain, holder_kind=USER, holder_path="x[1]")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.bytes = 3  # type: ignore[misc]
+    assert set(made.__dict__) == {f.name for f in dataclasses.fields(StorageRecord)}
+    holder = frozen_record(Holder, {"kind": USER, "path": "x", "root": "x", "hint": None})
+    assert holder == Holder(USER, "x", "x")
