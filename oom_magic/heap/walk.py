@@ -7,6 +7,10 @@ works a level at a time in bulk C-level passes (``map``, ``compress``, set diffe
 keeps the id of each object visited and, in the order reached, its parent; it never hashes or compares a
 user's object or type: membership is by ``id``. An object whose reference count says its one owner
 alone holds it (most of a heap) can be reached no other way: it is kept with no visited lookup.
+A slice's children are read into one flat list (exact builtin containers, dict values and
+namedtuples through their own C iterators, other objects through ``gc.get_referents``), its atoms
+(ints, strings: untracked) dropped before any other read, and a child's parent is found back from
+its position in that list (``_Parents``) only for the objects being named.
 
 Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
 through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
@@ -35,7 +39,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from ..records.snapshot import HolderKind
-from .reads import array_items, deque_type, function_dict, mro_has, type_mro
+from .reads import array_items, deque_type, function_dict, mro_has, type_dict, type_mro
 
 # What the walk does with an object, decided once per type (by the type's id; ``classify``).
 # Plain ints compared with ==: the dispatch runs once per kind present in a slice, and
@@ -48,7 +52,11 @@ NDARRAY = 4   # an object array's items
 SKIP = 5      # never entered: modules, classes, code, builtins, descriptors
 LATER = 6     # walked after every other object of its level is done (see _later_types)
 SEQ = 7       # an exact builtin list, tuple, set, frozenset or deque
-_TIE_ORDER = {DICT: 0, SEQ: 1, FRAME: 2, FUNCTION: 3, NDARRAY: 4, GENERIC: 5, LATER: 6, SKIP: 7}
+ROW = 8       # a tuple subclass with no fields of its own (a namedtuple): its items
+_TIE_ORDER = {DICT: 0, SEQ: 1, ROW: 2, FRAME: 3, FUNCTION: 4, NDARRAY: 5, GENERIC: 6, LATER: 7, SKIP: 8}
+# A type's own layout, read through ``type``'s descriptors (no metaclass code runs).
+_BASICSIZE = type.__dict__["__basicsize__"].__get__
+_DICTOFFSET = type.__dict__["__dictoffset__"].__get__
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
@@ -138,9 +146,21 @@ def classify(cls: type, ndarray: type | None, later: tuple[type, ...] = ()) -> i
         return NDARRAY
     if any(k is dict for k in mro):
         return DICT
+    if any(k is tuple for k in mro) and _DICTOFFSET(cls) == 0 and _BASICSIZE(cls) == _BASICSIZE(tuple) \
+            and _no_hidden_fields(cls):
+        return ROW  # gc.get_referents would add only its class, which is never entered
     if later and any(k is base for k in mro for base in later):
         return LATER
     return GENERIC
+
+
+def _no_hidden_fields(cls: type) -> bool:
+    """A struct sequence (os.stat_result) keeps fields past its length, which only its traversal reaches."""
+    try:
+        own = type_dict(cls)
+        return own.get("n_fields", 0) == own.get("n_sequence_fields", 0)
+    except Exception:
+        return False
 
 
 def _later_types() -> tuple[type, ...]:
@@ -419,6 +439,9 @@ class Walk:
                 # Exact builtin containers: iterated by their own C code, no list per container.
                 self._extend(kids, parents, once, objs, list(chain.from_iterable(objs)), map(len, objs),
                              _ONCE_ITERATED)
+            elif what == ROW:  # read as a tuple: its own C iterator, never the subclass's __iter__
+                self._extend(kids, parents, once, objs, list(chain.from_iterable(map(tuple.__iter__, objs))),
+                             map(tuple.__len__, objs), _ONCE_ITERATED)
             elif what == DICT:
                 if self._wrapper_dicts and defer:
                     self._later.extend(d for d in objs if id(d) in self._wrapper_dicts)

@@ -37,6 +37,9 @@ class Row:
         self.id, self.embedding = i, embedding
 
 
+Pair = collections.namedtuple("Pair", "id tensor")
+
+
 def _heap() -> dict[str, object]:
     """Every kind the walk expands in bulk: slot records, dict instances, dicts, lists, tuples, sets,
     a deque, a numpy object array, and objects held twice (visited, not once)."""
@@ -50,6 +53,8 @@ def _heap() -> dict[str, object]:
         "queue": collections.deque({"obs": torch.ones(1), "step": i} for i in range(30)),
         "column": np.array([torch.ones(1), None, shared], dtype=object),
         "twice": [shared, shared, tokens[7]],
+        "table": [Pair(i, torch.ones(1)) for i in range(20)],  # a namedtuple: read as a tuple
+        "maxima": torch.max(torch.ones(3, 2), 0),  # torch.return_types.max, a struct sequence
     }
 
 
@@ -58,6 +63,8 @@ def _children(obj: object) -> list[int]:
         return list(map(id, obj.values()))
     if type(obj) is np.ndarray:
         return list(map(id, obj.ravel().tolist()))
+    if isinstance(obj, tuple):  # a namedtuple or struct sequence is read as its items
+        return list(map(id, tuple.__iter__(obj)))
     return list(map(id, gc.get_referents(obj)))
 
 
@@ -70,7 +77,7 @@ def test_every_object_the_walk_reaches_has_the_parent_that_holds_it():
         walk.start(USER, list(heap.items()))
         walk.run()
         reached = [id(t) for t in tensors if walk.reached(id(t))]
-        assert len(reached) >= 43 + 40 + 100 + 30 + 2
+        assert len(reached) >= 43 + 40 + 100 + 30 + 2 + 20 + 2
         parents = walk.parents_of(reached)
         assert len(parents) > len(reached)  # with every ancestor up to the roots
         for child, parent in parents.items():
