@@ -86,8 +86,22 @@ SETUP = textwrap.dedent('''
             note("Slow.grad")
             return None
 
+    class Spied(tuple):
+        """A record tuple with no fields of its own (read as a tuple), its methods instrumented."""
+        __slots__ = ()
+        def __iter__(self):
+            note("Spied.__iter__")
+            return tuple.__iter__(self)
+        def __len__(self):
+            note("Spied.__len__")
+            return tuple.__len__(self)
+        def __getitem__(self, i):
+            note("Spied.__getitem__")
+            return tuple.__getitem__(self, i)
+
     recorder = Recorder()
     recorder.weights = torch.ones(100)
+    spied = [Spied((i, torch.ones(100))) for i in range(3)]
     keyed = {Recorder(): torch.ones(200)}
     c = cell()
     c.t = torch.ones(300)
@@ -126,6 +140,7 @@ def _check_counts(snap) -> None:
     assert snap.held_by("slow") == 2000
     assert snap.held_by("weird") == 2400
     assert snap.held_by("weird_types") == 2800
+    assert snap.held_by("spied") == 1200
 
 
 def test_no_user_code_runs_in_any_magic_the_hook_the_guard_or_snapshot(ip, armed):
@@ -137,7 +152,7 @@ def test_no_user_code_runs_in_any_magic_the_hook_the_guard_or_snapshot(ip, armed
     paths = {g.path for g in snap.holders("user")}
     # A user type as a key is never shown by its repr, and has one name however the walk reached it first.
     assert {"keyed[<Recorder key>]", "recorder.weights", "c.t", "err.payload", "slow", "weird.t",
-                                "weird_types[2][1]"} <= paths, paths
+                                "weird_types[2][1]", "spied[0][1]", "spied[2][1]"} <= paths, paths
 
     again = oom_magic.snapshot("cpu")  # remembered paths, re-checked
     assert calls == [] and {g.path for g in again.holders("user")} == paths
