@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import operator
 import ctypes.util
 import mmap
 from collections.abc import Hashable, Iterable
@@ -20,7 +21,8 @@ from itertools import repeat
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FileMappings", "MappedViews", "file_mappings", "file_pages", "mapped_bytes", "process_file_resident"]
+__all__ = ["FileMappings", "MappedViews", "file_mappings", "file_pages", "file_pages_of", "mapped_bytes",
+           "process_file_resident"]
 
 _MAPS = "/proc/self/maps"
 _STATUS = "/proc/self/status"
@@ -105,33 +107,40 @@ def mapped_bytes(storages: Iterable[tuple[int, int]], mappings: FileMappings | N
     return sum(mappings.overlap(address, size) for address, size in storages)
 
 
-def _near_a_mapping(mappings: FileMappings, storages: list[tuple[int, int]]) -> list[bool]:
-    """For each (address, nbytes), whether a file mapping may overlap it: the one starting last at or
-    before it reaches past its address, or the next starts before its end (most storages of a scan
-    are anonymous memory: no mapping is looked at for them)."""
+def _near_a_mapping(mappings: FileMappings, addresses: list[int], sizes: list[int]) -> list[bool]:
+    """For each storage (address, size), whether a file mapping may overlap it: the one starting last
+    at or before it reaches past its address, or the next starts before its end. In C-level passes:
+    most storages of a scan are anonymous memory, and no mapping is looked at for them."""
     starts, ranges = mappings.starts, mappings.ranges
     if not starts:
-        return [False] * len(storages)
-    addresses = [a for a, _ in storages]
+        return [False] * len(addresses)
     after = list(map(bisect.bisect_right, repeat(starts), addresses))  # mappings starting at or before each
     ends = [r[1] for r in ranges] + [0]  # ends[-1]: no mapping starts before the first
     following = list(starts) + [1 << 64]
-    return [ends[i - 1] > address or following[i] < address + size
-            for i, (address, size) in zip(after, storages)]
+    reaches_past = map(operator.gt, map(ends.__getitem__, map(operator.sub, after, repeat(1))), addresses)
+    starts_before = map(operator.lt, map(following.__getitem__, after), map(operator.add, addresses, sizes))
+    return list(map(operator.or_, reaches_past, starts_before))
 
 
 def file_pages(storages: Iterable[tuple[int, int]], mappings: FileMappings | None = None) -> MappedViews | None:
     """Which bytes of the (address, nbytes) storages are views of files, how many distinct file bytes
     they cover and how much of those is in memory now; None where unknown (not Linux)."""
+    storages = list(storages)
+    return file_pages_of([a for a, _ in storages], [n for _, n in storages], mappings)
+
+
+def file_pages_of(addresses: list[int], sizes: list[int], mappings: FileMappings | None = None) -> MappedViews | None:
+    """``file_pages`` for storages given as two lists (a scan's 100,000 records: no tuple each)."""
     mappings = mappings if mappings is not None else file_mappings()
     if mappings is None:
         return None
     mapped: list[int] = []
     # (file, first page, end page, address of the first page): where each view lies in its file.
     spans: list[tuple[Hashable, int, int, int]] = []
-    storages = list(storages)
-    near = _near_a_mapping(mappings, storages)
-    for (address, size), maybe in zip(storages, near):
+    near = _near_a_mapping(mappings, addresses, sizes)
+    if not any(near):
+        addresses, sizes, mapped = [], [], [0] * len(near)
+    for address, size, maybe in zip(addresses, sizes, near):
         if not maybe:
             mapped.append(0)
             continue

@@ -238,7 +238,7 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
         namer.prepare(walk.found.values())
         paths = {key: namer.steps(tid) for key, tid in walk.found.items()}
         # Keys shown by their own path (opt.state[model.fc.weight]): their parents in one more pass.
-        namer.prepare({step[1] for _, steps in paths.values() for step in steps if step[0] == "keypath"})
+        namer.prepare(namer.key_paths)
         views: dict[int, dict[int, list[int]]] = {}  # id(list) -> storage -> [first index, views]
         for key, (root, steps) in paths.items():
             if root is None:
@@ -252,7 +252,8 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
             holders[key] = holder = frozen_record(Holder, {"kind": root.kind, "path": text, "root": root.name,
                                                            "hint": _hint(root, steps)})
             if root.kind == USER and shared is None:  # a count of views could change unseen: not remembered
-                steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
+                if namer.key_paths:
+                    steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
                 _remember(key, root.name, steps, holder)
     finally:
         namer.clear()
@@ -299,6 +300,8 @@ def _remember(key: int, name: str, steps: tuple, holder: Holder) -> None:
 
 def _hint(root: Root, steps: tuple) -> str | None:
     """How to free an lru cache's result: ``cached.cache_clear()``."""
+    if ("cache",) not in steps and ("", "cache") not in steps:  # steps hold plain values: compared in C
+        return None
     for i, step in enumerate(steps):
         if step[0] == "cache" or step == ("", "cache"):
             return render(root, steps[:i], lambda _: None) + ".cache_clear()"

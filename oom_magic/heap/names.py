@@ -53,6 +53,7 @@ class Namer:
         self._shapes: dict[int, str] = {}
         self._shape_types: list[type] = []  # keeps the types whose ids key _shapes alive
         self._member_cache: dict[int, list[tuple[str, Any]]] = {}
+        self.key_paths: set[int] = set()  # ids of the keys a ("keypath", id) step names by their own path
         self._last_member: dict[int, int] = {}  # id(type) -> the member that named a child last
         self._by_parent: dict[int, set[int]] = {}
         self._by_parent_size = -1
@@ -84,7 +85,7 @@ class Namer:
             steps: list[Step] = []
             at = 0
             while at < len(forward):
-                column = self._pandas_column(forward, at)
+                column = self._pandas_column(forward, at) if at + 4 < len(forward) else None
                 if column is not None:  # df -> _mgr -> blocks -> block -> values -> item: df['emb'].iloc[i]
                     steps.append(column)
                     at += 5
@@ -408,6 +409,7 @@ class Namer:
         if is_plain_key(key):
             return ("key", key)
         if self.walk.reached(id(key)) or id(key) in self.walk.roots:
+            self.key_paths.add(id(key))
             return ("keypath", id(key), qualname(type(key)))
         return ("keytype", qualname(type(key)))
 
@@ -456,6 +458,7 @@ class Namer:
         self._shapes.clear()
         self._shape_types.clear()
         self._member_cache.clear()
+        self.key_paths.clear()
         self._last_member.clear()
         self._candidates.clear()
 

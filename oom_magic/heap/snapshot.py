@@ -15,7 +15,7 @@ from typing import Any
 from ..common._torch import loaded_torch
 from ..device.reading import DeviceReading, read_device, resolve_device
 from .holders import attribute, attribute_reachable, recheck_remembered
-from ..device.mapped import file_pages, process_file_resident
+from ..device.mapped import file_pages_of, process_file_resident
 from ..device.nvml import Nvml
 from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
 from ..records.snapshot import (HOLDER_KINDS, USER, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot,
@@ -64,10 +64,12 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         live, attribution = attribute_reachable(roots, torch, types, where, budget_seconds=budget_seconds)
     try:
         holders = attribution.holders
-        storages = tuple(
-            held_by(r, h.kind, h.path) if (h := holders.get(key)) else r
-            for key, r in live.storages.items()
-        )
+        found = list(map(holders.get, live.storages))
+        if all(found):  # every storage has a holder: its records made in one pass
+            storages = tuple(map(held_by, live.storages.values(), map(_HOLDER_KIND, found), map(_HOLDER_PATH, found)))
+        else:
+            storages = tuple(held_by(r, h.kind, h.path) if h else r for r, h in zip(live.storages.values(), found))
+        del found
     finally:
         live.release()
     notes: list[str] = []
@@ -123,7 +125,7 @@ def _finish(where: str, reading: DeviceReading, storages: tuple[StorageRecord, .
 
 def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[StorageRecord, ...], FilePages | None]:
     """cpu: mark each storage's bytes that are views of a memory-mapped file, and sum them by holder kind."""
-    views = file_pages(zip(map(_ADDRESS, storages), map(_BYTES, storages)))
+    views = file_pages_of(list(map(_ADDRESS, storages)), list(map(_BYTES, storages)))
     if views is None:
         return storages, None  # not Linux: no /proc/self/maps to tell file pages from anonymous memory
     by_kind: dict[HolderKind, int] = {}
@@ -137,6 +139,7 @@ def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[Storage
 
 
 _ADDRESS, _BYTES, _KIND, _HINT = (attrgetter(name) for name in ("address", "bytes", "holder_kind", "hint"))
+_HOLDER_KIND, _HOLDER_PATH = attrgetter("kind"), attrgetter("path")
 _UNCHANGED_NOTE = ("the allocator's allocation and free counts have not moved since the last scan: its storages' "
                    "remembered paths were re-checked, with no heap pass")
 # device -> (the allocator's (allocated, freed) block counts, the storages found then). Records

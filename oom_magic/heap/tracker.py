@@ -370,7 +370,8 @@ def _group_each(dense: list[Any], reader: _Reader, device: str | None, groups: d
             counts[1] += 1
             continue
         if device is not None and where != device:
-            groups[key] = _ELSEWHERE
+            if group is None:
+                groups[key] = _ELSEWHERE
             continue
         kept.append(tensor)
         storage_of[id(tensor)] = key

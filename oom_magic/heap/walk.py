@@ -70,8 +70,9 @@ def _once_counts(through_lists: bool) -> tuple[int, int]:
     owner = [object()]  # the only reference to the object
     lists = [gc.get_referents(owner)] if through_lists else [owner]
     flat = list(chain.from_iterable(lists))
+    in_flat = next(map(sys.getrefcount, flat))
     kept = list(compress(flat, [True]))
-    return next(map(sys.getrefcount, flat)) - 1, next(map(sys.getrefcount, kept))  # - 1: kept's own
+    return in_flat, next(map(sys.getrefcount, kept))
 
 
 # Such an object is reached through that owner alone, so the walk needs no visited entry for it
