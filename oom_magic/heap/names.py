@@ -436,7 +436,20 @@ class Namer:
         return cached
 
     def _index_of(self, container: Any, child_id: int, iterate: Callable[[Any], Any]) -> int:
-        """The position of a child in a sequence, set or array (found with those of its siblings being named)."""
+        """The position of a child in a sequence, set or array (found with those of its siblings being named).
+
+        A list's or tuple's child the walk read as its item has its index from the walk: checked by one
+        read, never searched for (naming 1,000 items of a 280,000-item list reads 1,000 items, not all)."""
+        at = self.walk.indexes.get(child_id)
+        if at is not None and (iterate is list.__iter__ or iterate is tuple.__iter__):
+            try:
+                item = (list.__getitem__ if iterate is list.__iter__ else tuple.__getitem__)(container, at)
+                if id(item) == child_id:
+                    return at
+            except IndexError:
+                pass
+            finally:
+                item = None
         cached = self._reverse.get(id(container))
         if cached is None or child_id not in cached:
             needed = self._needed(container, child_id)

@@ -80,36 +80,48 @@ def _once_counts(through_lists: bool) -> tuple[int, int]:
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 _ONCE_ITERATED = _once_counts(False) if _GIL else (-1, -1)
 _ONCE_LISTED = _once_counts(True) if _GIL else (-1, -1)
-_ONCE_PART = _ONCE_ITERATED[0]  # a slice of a huge container: its one part list as the flat list
 
 
 class _Parents:
     """Who holds each child of one expanded slice, without an entry per child: the child at position
     ``p`` of the slice's children (atoms included) belongs to ``objs[bisect_right(ends, p)]``; ``at``
-    holds each kept child's position, in the order of the kept children."""
+    holds each kept child's position, in the order of the kept children. ``sequences``: the ranges
+    of owners read as sequences (lists, tuples, namedtuples, sets, deques), whose child at position
+    ``p`` is their item ``p - (the owner's first position)``: its index, never searched for."""
 
-    __slots__ = ("at", "ends", "objs")
+    __slots__ = ("at", "ends", "objs", "sequences")
 
-    def __init__(self, objs: list[Any], ends: list[int], at: list[int]) -> None:
+    def __init__(self, objs: list[Any], ends: list[int], at: list[int],
+                 sequences: list[tuple[int, int]] | None = None) -> None:
         self.objs, self.ends, self.at = objs, ends, at
+        self.sequences = sequences if sequences is not None else []
 
-    def add(self, objs: list[Any], lens: Iterable[int]) -> int:
+    def add(self, objs: list[Any], lens: Iterable[int], sequence: bool = False) -> int:
         """Append owners and how many children each has; the position of their first child."""
         base = self.ends[-1] if self.ends else 0
+        if sequence:
+            self.sequences.append((len(self.objs), len(self.objs) + len(objs)))
         self.objs.extend(objs)
         self.ends.extend(islice(accumulate(lens, initial=base), 1, None))
         return base
 
     def part(self, start: int, stop: int) -> _Parents:
-        return _Parents(self.objs, self.ends, self.at[start:stop])
+        return _Parents(self.objs, self.ends, self.at[start:stop], self.sequences)
 
     def keep(self, mask: Iterable[bool]) -> _Parents:
-        return _Parents(self.objs, self.ends, list(compress(self.at, mask)))
+        return _Parents(self.objs, self.ends, list(compress(self.at, mask)), self.sequences)
 
-    def of(self, positions: Iterable[int]) -> list[Any]:
-        """The owners of the kept children at these indexes of ``at``."""
-        objs, ends, at = self.objs, self.ends, self.at
-        return [objs[bisect_right(ends, at[i])] for i in positions]
+    def of(self, positions: Iterable[int], indexes: dict[int, int], kids: list[int]) -> list[Any]:
+        """The owners of the kept children at these indexes of ``at``; the index within its owner of
+        each child of a sequence goes into ``indexes`` (id -> index; ``kids``: the children's ids)."""
+        objs, ends, at, sequences = self.objs, self.ends, self.at, self.sequences
+        owners = []
+        for i, kid in zip(positions, kids):
+            owner = bisect_right(ends, at[i])
+            owners.append(objs[owner])
+            if sequences and any(lo <= owner < hi for lo, hi in sequences):
+                indexes.setdefault(kid, at[i] - (ends[owner - 1] if owner else 0))
+        return owners
 
 _SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
                types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
@@ -199,6 +211,7 @@ class Walk:
         self._wanted_ids = set(self.wanted)
         self.storages_left = len(set(self.wanted.values()))
         self.found: dict[int, int] = {}  # storage key -> id(first tensor reaching it)
+        self.indexes: dict[int, int] = {}  # id -> its index in the sequence parents_of gave as its parent
         self.collect = collect
         self.met: list[Any] = []  # tensors met (collect mode)
         self.deadline = deadline
@@ -367,7 +380,7 @@ class Walk:
                 if not any(hit):
                     continue
                 kids = list(compress(seg_ids, hit))
-                ups = (seg_parents.of(compress(count(), hit)) if isinstance(seg_parents, _Parents)
+                ups = (seg_parents.of(compress(count(), hit), self.indexes, kids) if isinstance(seg_parents, _Parents)
                        else list(compress(seg_parents, hit)))
                 result.update(zip(reversed(kids), reversed(ups)))  # reversed: a child's first parent wins
                 wanted.difference_update(kids)
@@ -389,6 +402,7 @@ class Walk:
         self._pinned.clear()
         self._segments.clear()
         self.found.clear()
+        self.indexes.clear()
         self.met.clear()
         self._level.clear()
         self._keys.clear()
@@ -439,10 +453,10 @@ class Walk:
                     objs = [o for o in objs if len(o) <= SLICE]
                 # Exact builtin containers: iterated by their own C code, no list per container.
                 self._extend(kids, parents, once, objs, list(chain.from_iterable(objs)), map(len, objs),
-                             _ONCE_ITERATED)
+                             _ONCE_ITERATED, sequence=True)
             elif what == ROW:  # read as a tuple: its own C iterator, never the subclass's __iter__
                 self._extend(kids, parents, once, objs, list(chain.from_iterable(map(tuple.__iter__, objs))),
-                             map(tuple.__len__, objs), _ONCE_ITERATED)
+                             map(tuple.__len__, objs), _ONCE_ITERATED, sequence=True)
             elif what == DICT:
                 if self._wrapper_dicts and defer:
                     self._later.extend(d for d in objs if id(d) in self._wrapper_dicts)
@@ -486,12 +500,20 @@ class Walk:
                 self._defer_keys([obj])
             else:
                 it = iter(obj)  # an exact builtin container: its own C iterator
+            start = 0
             while True:
                 part = list(islice(it, SLICE))
                 if not part:
                     break
-                once = list(map(_ONCE_PART.__eq__, map(sys.getrefcount, part)))
-                following.extend(self._mark(part, [obj] * len(part), once))
+                # One owner whose children's positions are their indexes (a dict's: its values' order).
+                kids: list[Any] = []
+                parents = _Parents([obj], [1 << 62], [], None if type(obj) is dict or mro_has(type(obj), dict)
+                                   else [(0, 1)])
+                once: list[bool] = []
+                self._keep_tracked(kids, parents.at, once, part, start, _ONCE_ITERATED)
+                start += len(part)
+                following.extend(self._mark(kids, parents, once, tracked=True))
+                del part, kids
                 if self._out_of_budget() or self.done:
                     return True
         return False
@@ -503,18 +525,23 @@ class Walk:
         del lists  # alive until here: the once counts read above include it
 
     def _extend(self, kids: list[Any], parents: _Parents, once: list[bool], objs: list[Any], flat: list[Any],
-                lens: Iterable[int], held: tuple[int, int]) -> None:
+                lens: Iterable[int], held: tuple[int, int], sequence: bool = False) -> None:
         """Add the tracked objects and object arrays of ``flat`` (``objs``' children, ``lens`` of each),
         their parents and whether that parent alone holds each (``held``: the reference counts that
         says so, ``_once_counts``). Most children are atoms (ints, strings), dropped before other reads."""
-        at = parents.add(objs, lens)
+        self._keep_tracked(kids, parents.at, once, flat, parents.add(objs, lens, sequence), held)
+
+    def _keep_tracked(self, kids: list[Any], positions: list[int], once: list[bool], flat: list[Any], base: int,
+                      held: tuple[int, int]) -> None:
+        """Append the tracked objects and object arrays of ``flat`` to ``kids``, their positions (from
+        ``base``) to ``positions`` and whether one owner alone holds each to ``once``."""
         if not flat:
             return
         mask = list(map(gc.is_tracked, flat))
         if all(mask):
             once.extend(map(held[0].__eq__, map(sys.getrefcount, flat)))  # before kids holds them too
             kids.extend(flat)
-            parents.at.extend(range(at, at + len(flat)))
+            positions.extend(range(base, base + len(flat)))
             return
         self._keep_arrays(flat, mask)
         if not any(mask):
@@ -522,7 +549,7 @@ class Walk:
         kept = list(compress(flat, mask))
         once.extend(map(held[1].__eq__, map(sys.getrefcount, kept)))
         kids.extend(kept)
-        parents.at.extend(compress(count(at), mask))
+        positions.extend(compress(count(base), mask))
 
     def _keep_arrays(self, objs: list[Any], mask: list[bool]) -> None:
         """Set ``mask`` for the numpy arrays among ``objs``: untracked by gc, an object array holds objects."""

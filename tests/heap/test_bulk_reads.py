@@ -20,6 +20,7 @@ from oom_magic.heap.holders import Holder
 from oom_magic.heap.reads import MISSING
 from oom_magic.heap.remembered import RememberedPaths
 from oom_magic.heap.resolve import column_form, resolve, resolve_columns
+from oom_magic.heap.names import Namer
 from oom_magic.heap.walk import Walk
 from oom_magic.records.data import frozen_record
 from oom_magic.records.snapshot import USER, StorageRecord, held_by, storage_record
@@ -193,3 +194,23 @@ def test_records_made_in_bulk_are_the_dataclass_records():
     assert set(made.__dict__) == {f.name for f in dataclasses.fields(StorageRecord)}
     holder = frozen_record(Holder, {"kind": USER, "path": "x", "root": "x", "hint": None})
     assert holder == Holder(USER, "x", "x")
+
+
+def test_an_item_of_a_huge_list_is_named_by_the_index_the_walk_read():
+    big: list[object] = [[i] for i in range(50_000)]  # past the walk's slice: read in parts
+    big[30_001] = torch.ones(3)
+    rows = [Pair(i, torch.ones(1)) for i in range(5)]
+    tensors = [big[30_001], rows[3].tensor]
+    walk = Walk([tensors])
+    try:
+        walk.start(USER, [("big", big), ("rows", rows)])
+        walk.run()
+        parents = walk.parents_of(list(map(id, tensors)))
+        assert parents[id(tensors[0])] is big and walk.indexes[id(tensors[0])] == 30_001
+        assert parents[id(tensors[1])] is rows[3] and walk.indexes[id(tensors[1])] == 1
+        assert Namer(walk, None).steps(id(tensors[0]))[1] == (("index", 30_001),)
+        assert Namer(walk, None).steps(id(tensors[1]))[1] == (("index", 3), ("index", 1))
+        walk.indexes[id(tensors[0])] = 5  # an index that no longer holds it: checked, then searched for
+        assert Namer(walk, None).steps(id(tensors[0]))[1] == (("index", 30_001),)
+    finally:
+        walk.release()
