@@ -10,7 +10,7 @@ alone holds it (most of a heap) can be reached no other way: it is kept with no 
 A slice's children are read into one flat list (exact builtin containers, dict values and
 namedtuples through their own C iterators, other objects through ``gc.get_referents``), its atoms
 (ints, strings: untracked) dropped before any other read, and a child's parent is found back from
-its position in that list (``_Parents``) only for the objects being named.
+its position in that list (``children.Parents``) only for the objects being named.
 
 Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
 through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
@@ -33,12 +33,12 @@ import operator
 import sys
 import time
 import types
-from bisect import bisect_right
-from itertools import accumulate, chain, compress, count, islice, repeat
+from itertools import chain, compress, count, islice, repeat
 from typing import Any
 from collections.abc import Iterable
 
 from ..records.snapshot import HolderKind
+from .children import ONCE_ITERATED, ONCE_LISTED, Parents
 from .reads import array_items, deque_type, function_dict, mro_has, type_dict, type_mro
 
 # What the walk does with an object, decided once per type (by the type's id; ``classify``).
@@ -62,66 +62,6 @@ SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
 NARROW = 4
 
-
-def _once_counts(through_lists: bool) -> tuple[int, int]:
-    """The reference count of an object one owner alone holds, read as ``_extend`` reads it: (in the
-    flat list of the owners' children, in that list's tracked part too); ``through_lists``: the children
-    were read into a list per owner (gc.get_referents), alive meanwhile, not iterated from the owner."""
-    owner = [object()]  # the only reference to the object
-    lists = [gc.get_referents(owner)] if through_lists else [owner]
-    flat = list(chain.from_iterable(lists))
-    in_flat = next(map(sys.getrefcount, flat))
-    kept = list(compress(flat, [True]))
-    return in_flat, next(map(sys.getrefcount, kept))
-
-
-# Such an object is reached through that owner alone, so the walk needs no visited entry for it
-# (most of a heap); free-threaded builds count references per thread: every object is looked up there.
-_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
-_ONCE_ITERATED = _once_counts(False) if _GIL else (-1, -1)
-_ONCE_LISTED = _once_counts(True) if _GIL else (-1, -1)
-
-
-class _Parents:
-    """Who holds each child of one expanded slice, without an entry per child: the child at position
-    ``p`` of the slice's children (atoms included) belongs to ``objs[bisect_right(ends, p)]``; ``at``
-    holds each kept child's position, in the order of the kept children. ``sequences``: the ranges
-    of owners read as sequences (lists, tuples, namedtuples, sets, deques), whose child at position
-    ``p`` is their item ``p - (the owner's first position)``: its index, never searched for."""
-
-    __slots__ = ("at", "ends", "objs", "sequences")
-
-    def __init__(self, objs: list[Any], ends: list[int], at: list[int],
-                 sequences: list[tuple[int, int]] | None = None) -> None:
-        self.objs, self.ends, self.at = objs, ends, at
-        self.sequences = sequences if sequences is not None else []
-
-    def add(self, objs: list[Any], lens: Iterable[int], sequence: bool = False) -> int:
-        """Append owners and how many children each has; the position of their first child."""
-        base = self.ends[-1] if self.ends else 0
-        if sequence:
-            self.sequences.append((len(self.objs), len(self.objs) + len(objs)))
-        self.objs.extend(objs)
-        self.ends.extend(islice(accumulate(lens, initial=base), 1, None))
-        return base
-
-    def part(self, start: int, stop: int) -> _Parents:
-        return _Parents(self.objs, self.ends, self.at[start:stop], self.sequences)
-
-    def keep(self, mask: Iterable[bool]) -> _Parents:
-        return _Parents(self.objs, self.ends, list(compress(self.at, mask)), self.sequences)
-
-    def of(self, positions: Iterable[int], indexes: dict[int, int], kids: list[int]) -> list[Any]:
-        """The owners of the kept children at these indexes of ``at``; the index within its owner of
-        each child of a sequence goes into ``indexes`` (id -> index; ``kids``: the children's ids)."""
-        objs, ends, at, sequences = self.objs, self.ends, self.at, self.sequences
-        owners = []
-        for i, kid in zip(positions, kids):
-            owner = bisect_right(ends, at[i])
-            owners.append(objs[owner])
-            if sequences and any(lo <= owner < hi for lo, hi in sequences):
-                indexes.setdefault(kid, at[i] - (ends[owner - 1] if owner else 0))
-        return owners
 
 _SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
                types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
@@ -204,9 +144,9 @@ class Walk:
         self._skip = frozenset(map(id, self._pinned))
         self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
         self.roots: dict[int, Root] = {}
-        # (ids, their parents: a list or a _Parents, whether a parent may sit in the same segment): a
+        # (ids, their parents: a list or a Parents, whether a parent may sit in the same segment): a
         # parent is always reached before its children, so one backwards pass finds every ancestor.
-        self._segments: list[tuple[list[int], list[Any] | _Parents, bool]] = []
+        self._segments: list[tuple[list[int], list[Any] | Parents, bool]] = []
         self.wanted = wanted if wanted is not None else {}
         self._wanted_ids = set(self.wanted)
         self.storages_left = len(set(self.wanted.values()))
@@ -279,12 +219,12 @@ class Walk:
                     break
             self._level = following
 
-    def _mark_slices(self, kids: list[Any], parents: list[Any] | _Parents, once: list[bool] | None,
+    def _mark_slices(self, kids: list[Any], parents: list[Any] | Parents, once: list[bool] | None,
                      following: list[Any], tracked: bool = False) -> bool:
         """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
         for at in range(0, len(kids), SLICE):
             part = once[at:at + SLICE] if once is not None else None
-            ups = parents.part(at, at + SLICE) if isinstance(parents, _Parents) else parents[at:at + SLICE]
+            ups = parents.part(at, at + SLICE) if isinstance(parents, Parents) else parents[at:at + SLICE]
             following.extend(self._mark(kids[at:at + SLICE], ups, part, tracked))
             if self._out_of_budget() or self.done:
                 return True
@@ -380,7 +320,7 @@ class Walk:
                 if not any(hit):
                     continue
                 kids = list(compress(seg_ids, hit))
-                ups = (seg_parents.of(compress(count(), hit), self.indexes, kids) if isinstance(seg_parents, _Parents)
+                ups = (seg_parents.of(compress(count(), hit), self.indexes, kids) if isinstance(seg_parents, Parents)
                        else list(compress(seg_parents, hit)))
                 result.update(zip(reversed(kids), reversed(ups)))  # reversed: a child's first parent wins
                 wanted.difference_update(kids)
@@ -418,7 +358,7 @@ class Walk:
             self.complete = False
         return not self.complete
 
-    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], _Parents, list[bool]]:
+    def _expand(self, level: list[Any], defer: bool = True) -> tuple[list[Any], Parents, list[bool]]:
         """What one slice of a level refers to (tracked objects and object arrays), their parents, and
         whether that parent is all that holds each (the same length)."""
         cats = self._cats
@@ -438,7 +378,7 @@ class Walk:
         # Each object's kind only where a slice mixes kinds (a level of one type needs no second pass).
         kinds = list(map(cats.__getitem__, tids)) if len(present) > 1 else []
         kids: list[Any] = []
-        parents = _Parents([], [], [])
+        parents = Parents([], [], [])
         once: list[bool] = []
         # Ties go to what is named by a key or index: a dict's values before generic referents.
         for what in sorted(present, key=_TIE_ORDER.__getitem__):
@@ -453,10 +393,10 @@ class Walk:
                     objs = [o for o in objs if len(o) <= SLICE]
                 # Exact builtin containers: iterated by their own C code, no list per container.
                 self._extend(kids, parents, once, objs, list(chain.from_iterable(objs)), map(len, objs),
-                             _ONCE_ITERATED, sequence=True)
+                             ONCE_ITERATED, sequence=True)
             elif what == ROW:  # read as a tuple: its own C iterator, never the subclass's __iter__
                 self._extend(kids, parents, once, objs, list(chain.from_iterable(map(tuple.__iter__, objs))),
-                             map(tuple.__len__, objs), _ONCE_ITERATED, sequence=True)
+                             map(tuple.__len__, objs), ONCE_ITERATED, sequence=True)
             elif what == DICT:
                 if self._wrapper_dicts and defer:
                     self._later.extend(d for d in objs if id(d) in self._wrapper_dicts)
@@ -467,7 +407,7 @@ class Walk:
                     self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
                     objs = [d for d in objs if dict.__len__(d) <= SLICE]
                 self._extend(kids, parents, once, objs, list(chain.from_iterable(map(dict.values, objs))),
-                             map(dict.__len__, objs), _ONCE_ITERATED)
+                             map(dict.__len__, objs), ONCE_ITERATED)
                 if any(map(gc.is_tracked, chain.from_iterable(map(dict.keys, objs)))):
                     self._defer_keys(objs)
             elif what == FUNCTION:
@@ -507,10 +447,10 @@ class Walk:
                     break
                 # One owner whose children's positions are their indexes (a dict's: its values' order).
                 kids: list[Any] = []
-                parents = _Parents([obj], [1 << 62], [], None if type(obj) is dict or mro_has(type(obj), dict)
+                parents = Parents([obj], [1 << 62], [], None if type(obj) is dict or mro_has(type(obj), dict)
                                    else [(0, 1)])
                 once: list[bool] = []
-                self._keep_tracked(kids, parents.at, once, part, start, _ONCE_ITERATED)
+                self._keep_tracked(kids, parents.at, once, part, start, ONCE_ITERATED)
                 start += len(part)
                 following.extend(self._mark(kids, parents, once, tracked=True))
                 del part, kids
@@ -518,13 +458,13 @@ class Walk:
                     return True
         return False
 
-    def _extend_listed(self, kids: list[Any], parents: _Parents, once: list[bool], objs: list[Any],
+    def _extend_listed(self, kids: list[Any], parents: Parents, once: list[bool], objs: list[Any],
                        lists: list[list[Any]]) -> None:
         """``_extend`` for children read into a list per owner."""
-        self._extend(kids, parents, once, objs, list(chain.from_iterable(lists)), map(len, lists), _ONCE_LISTED)
+        self._extend(kids, parents, once, objs, list(chain.from_iterable(lists)), map(len, lists), ONCE_LISTED)
         del lists  # alive until here: the once counts read above include it
 
-    def _extend(self, kids: list[Any], parents: _Parents, once: list[bool], objs: list[Any], flat: list[Any],
+    def _extend(self, kids: list[Any], parents: Parents, once: list[bool], objs: list[Any], flat: list[Any],
                 lens: Iterable[int], held: tuple[int, int], sequence: bool = False) -> None:
         """Add the tracked objects and object arrays of ``flat`` (``objs``' children, ``lens`` of each),
         their parents and whether that parent alone holds each (``held``: the reference counts that
@@ -559,7 +499,7 @@ class Walk:
             for i in compress(count(), map(operator.is_, map(type, objs), repeat(ndarray))):
                 mask[i] = True
 
-    def _mark(self, kids: list[Any], parents: list[Any] | _Parents, once: list[bool] | None = None,
+    def _mark(self, kids: list[Any], parents: list[Any] | Parents, once: list[bool] | None = None,
               tracked: bool = False) -> list[Any]:
         """Keep the tracked children (and untracked object arrays) not reached before; record parents.
 
@@ -567,7 +507,7 @@ class Walk:
         not looked up in ``visited`` nor added to it); None: every child is looked up. ``tracked``:
         the children are kept ones already (``_extend``'s).
         """
-        if not tracked and not isinstance(parents, _Parents):
+        if not tracked and not isinstance(parents, Parents):
             mask = list(map(gc.is_tracked, kids))
             if not all(mask):
                 self._keep_arrays(kids, mask)
@@ -587,7 +527,7 @@ class Walk:
         self.visited.update(new)
         if keep is not None:
             ids = list(compress(ids, keep))
-            parents = parents.keep(keep) if isinstance(parents, _Parents) else list(compress(parents, keep))
+            parents = parents.keep(keep) if isinstance(parents, Parents) else list(compress(parents, keep))
             kids = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
         if not ids:
             return []

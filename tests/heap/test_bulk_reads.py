@@ -1,7 +1,7 @@
 """The engine's bulk passes give what their one-object-at-a-time forms give, on real objects.
 
 The walk reads a slice's children with one list per slice and finds each child's parent back
-from positions (``_Parents``); grouping reads the heap pass's tensors in C-level passes; a steady
+from positions (``children.Parents``); grouping reads the heap pass's tensors in C-level passes; a steady
 scan re-reads many remembered paths a step at a time over all of them (``resolve_columns``);
 records are made without a frozen ``__setattr__`` per field. Each is held here to the plain form.
 """
