@@ -313,6 +313,8 @@ class Namer:
             for key in dict.keys(parent):
                 if id(key) == child_id:
                     return [("iskey", qualname(type(key)))]
+            if cls is not dict:  # a dict subclass's own attribute
+                return self._instance_link(parent, cls, child_id)
             return [("via", qualname(cls))]
         if shape == "tuple" and self._is_closure_of_parent(parent):
             return [("closure", self._index_of(parent, child_id, tuple.__iter__))]

@@ -57,6 +57,7 @@ _TIE_ORDER = {DICT: 0, SEQ: 1, ROW: 2, FRAME: 3, FUNCTION: 4, NDARRAY: 5, GENERI
 # A type's own layout, read through ``type``'s descriptors (no metaclass code runs).
 _BASICSIZE = type.__dict__["__basicsize__"].__get__
 _DICTOFFSET = type.__dict__["__dictoffset__"].__get__
+_DICT_ID = id(dict)
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
@@ -105,6 +106,13 @@ def classify(cls: type, ndarray: type | None, later: tuple[type, ...] = ()) -> i
     if later and any(k is base for k in mro for base in later):
         return LATER
     return GENERIC
+
+
+def _beside_items(mapping: dict) -> list[Any]:
+    """What a dict subclass's traversal reaches besides its keys and values: its attributes (or the
+    attribute dict it already has), its class, a defaultdict's factory."""
+    items = set(map(id, dict.values(mapping))) | set(map(id, dict.keys(mapping)))
+    return [ref for ref in gc.get_referents(mapping) if id(ref) not in items]
 
 
 def _no_hidden_fields(cls: type) -> bool:
@@ -403,6 +411,12 @@ class Walk:
                     objs = [d for d in objs if id(d) not in self._wrapper_dicts]
                     if not objs:
                         continue
+                # A dict subclass's own attributes (`c.t` on a `class Cfg(dict)`): whatever its traversal
+                # reaches besides its items, never an attribute dict made for the asking.
+                owned = [d for d in objs if type(d) is not dict and _DICTOFFSET(type(d)) != 0] \
+                    if any(t != _DICT_ID and cats[t] == DICT for t in present_types) else []
+                if owned:
+                    self._extend_listed(kids, parents, once, owned, list(map(_beside_items, owned)))
                 if max(map(dict.__len__, objs)) > SLICE:
                     self._big.extend(d for d in objs if dict.__len__(d) > SLICE)
                     objs = [d for d in objs if dict.__len__(d) <= SLICE]

@@ -327,3 +327,21 @@ def test_a_compiled_model_is_named_through_its_original_module(ip):
         snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
         user = {r.holder_path for r in snap.storages if r.holder_kind == "user"}
         assert user == {f"cm._orig_mod.layers[{i}].weight" for i in range(4)}
+
+
+def test_a_dict_subclasss_own_attributes_are_named_as_attributes(ip):
+    """`c.t` on a `class Cfg(dict)` (and an OrderedDict's attribute) is the user's, named as typed; an
+    OrderedDict with no attributes gets no attribute dict from being walked."""
+    ip.run_cell("import collections, gc, torch\n"
+                "class Cfg(dict):\n    pass\n"
+                "c = Cfg(a=torch.ones(10))\nc.t = torch.ones(1000)\n"
+                "od = collections.OrderedDict(w=torch.ones(20))\nod.meta = torch.ones(30)\n"
+                "plain = collections.OrderedDict(w=torch.ones(50))\n"
+                "plain_refs = len(gc.get_referents(plain))", store_history=True)
+    forget_paths()
+    for _ in range(2):  # walked, then re-read from the remembered paths
+        snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+        user = {r.holder_path: r.bytes for r in snap.storages if r.holder_kind == "user"}
+        assert user["c.t"] == 4000 and user["c['a']"] == 40, user
+        assert user["od.meta"] == 120 and user["od['w']"] == 80 and user["plain['w']"] == 200
+    assert len(gc.get_referents(ip.user_ns["plain"])) == ip.user_ns["plain_refs"]

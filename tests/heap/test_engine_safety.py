@@ -99,9 +99,26 @@ SETUP = textwrap.dedent('''
             note("Spied.__getitem__")
             return tuple.__getitem__(self, i)
 
+    class SpyDict(dict):
+        """A dict subclass with an attribute of its own, its methods instrumented."""
+        def __getattribute__(self, name):
+            note("SpyDict.__getattribute__:" + name)
+            return dict.__getattribute__(self, name)
+        def __iter__(self):
+            note("SpyDict.__iter__")
+            return dict.__iter__(self)
+        def values(self):
+            note("SpyDict.values")
+            return dict.values(self)
+        def keys(self):
+            note("SpyDict.keys")
+            return dict.keys(self)
+
     recorder = Recorder()
     recorder.weights = torch.ones(100)
     spied = [Spied((i, torch.ones(100))) for i in range(3)]
+    spy_dict = SpyDict(k=torch.ones(100))
+    spy_dict.t = torch.ones(100)
     keyed = {Recorder(): torch.ones(200)}
     c = cell()
     c.t = torch.ones(300)
@@ -141,6 +158,7 @@ def _check_counts(snap) -> None:
     assert snap.held_by("weird") == 2400
     assert snap.held_by("weird_types") == 2800
     assert snap.held_by("spied") == 1200
+    assert snap.held_by("spy_dict") == 800
 
 
 def test_no_user_code_runs_in_any_magic_the_hook_the_guard_or_snapshot(ip, armed):
@@ -152,7 +170,8 @@ def test_no_user_code_runs_in_any_magic_the_hook_the_guard_or_snapshot(ip, armed
     paths = {g.path for g in snap.holders("user")}
     # A user type as a key is never shown by its repr, and has one name however the walk reached it first.
     assert {"keyed[<Recorder key>]", "recorder.weights", "c.t", "err.payload", "slow", "weird.t",
-                                "weird_types[2][1]", "spied[0][1]", "spied[2][1]"} <= paths, paths
+                                "weird_types[2][1]", "spied[0][1]", "spied[2][1]", "spy_dict.t",
+                                "spy_dict['k']"} <= paths, paths
 
     again = oom_magic.snapshot("cpu")  # remembered paths, re-checked
     assert calls == [] and {g.path for g in again.holders("user")} == paths
