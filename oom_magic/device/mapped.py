@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import operator
 import ctypes.util
 import mmap
+import operator
 from collections.abc import Hashable, Iterable
-from itertools import repeat
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 __all__ = ["FileMappings", "MappedViews", "file_mappings", "file_pages", "file_pages_of", "mapped_bytes",

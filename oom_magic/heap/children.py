@@ -30,9 +30,9 @@ def _once_counts(through_lists: bool) -> tuple[int, int]:
 
 # Such an object is reached through that owner alone, so the walk needs no visited entry for it
 # (most of a heap); free-threaded builds count references per thread: every object is looked up there.
-GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
-ONCE_ITERATED = _once_counts(False) if GIL else (-1, -1)
-ONCE_LISTED = _once_counts(True) if GIL else (-1, -1)
+_GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
+ONCE_ITERATED = _once_counts(False) if _GIL else (-1, -1)
+ONCE_LISTED = _once_counts(True) if _GIL else (-1, -1)
 
 
 class Parents:

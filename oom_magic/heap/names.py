@@ -75,13 +75,7 @@ class Namer:
             self.prepare((obj_id,))
         link_of = self._link_of
         forward, root = self._short_climb(obj_id)
-        if root is None:  # longer than a path shown whole (or not reached): its depth is counted
-            found = self._depth_of(obj_id)
-            if found is None:
-                return None, ()
-            depth, anchor, root = found
-            forward = self._climb(obj_id, depth) if depth <= MAX_SHOWN_STEPS else None
-        if forward is not None:
+        if forward is not None and root is not None:
             steps: list[Step] = []
             at = 0
             while at < len(forward):
@@ -93,6 +87,10 @@ class Namer:
                 steps.extend(link_of(forward[at]))
                 at += 1
             return root, tuple(steps)
+        found = self._depth_of(obj_id)  # longer than a path shown whole, or not reached
+        if found is None:
+            return None, ()
+        depth, anchor, root = found
         # Only the ends are shown (8 visible steps each): the middle is never read, only counted.
         head_ids = self._climb(anchor, _ENDS)
         tail_ids = self._climb(obj_id, _ENDS)
@@ -346,7 +344,7 @@ class Namer:
         """An instance's link: a slot or C member, its __dict__ (already there), or an inline attribute."""
         members = self._members(cls)
         last = self._last_member.get(id(cls), 0)  # the slot that held the child last time, tried first
-        for at in chain((last,), range(len(members))) if last < len(members) else range(len(members)):
+        for at in chain((last,), range(len(members))) if members else ():
             name, member = members[at]
             try:
                 if id(member.__get__(parent, cls)) == child_id:
@@ -443,15 +441,14 @@ class Namer:
         A list's or tuple's child the walk read as its item has its index from the walk: checked by one
         read, never searched for (naming 1,000 items of a 280,000-item list reads 1,000 items, not all)."""
         at = self.walk.indexes.get(child_id)
-        if at is not None and (iterate is list.__iter__ or iterate is tuple.__iter__):
+        item_at = list.__getitem__ if iterate is list.__iter__ else tuple.__getitem__ if iterate is tuple.__iter__ \
+            else None
+        if at is not None and item_at is not None:
             try:
-                item = (list.__getitem__ if iterate is list.__iter__ else tuple.__getitem__)(container, at)
-                if id(item) == child_id:
+                if id(item_at(container, at)) == child_id:
                     return at
             except IndexError:
                 pass
-            finally:
-                item = None
         cached = self._reverse.get(id(container))
         if cached is None or child_id not in cached:
             needed = self._needed(container, child_id)

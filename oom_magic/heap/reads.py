@@ -163,8 +163,10 @@ def read_attribute(obj: Any, name: Any) -> Any:
     """``obj.name`` read without running code: a slot's member descriptor, or the instance's own value."""
     if type(name) is not str:
         return MISSING
-    return _read(obj, type(obj), name, *attribute_source(type(obj), name)) if type(obj) is not dict else \
-        dict.get(obj, name, MISSING)  # a module's child dicts are walked as dicts with attribute-looking keys
+    cls = type(obj)
+    if cls is dict:  # a module's child dicts are walked as dicts with attribute-looking keys
+        return dict.get(obj, name, MISSING)
+    return _read(obj, cls, name, *attribute_source(cls, name))
 
 
 def _read(obj: Any, cls: type, name: str, source: str, found: Any) -> Any:

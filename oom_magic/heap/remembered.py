@@ -20,6 +20,14 @@ from .roots import Roots
 from .tracker import LiveTensors
 
 
+def _variables(roots: Roots) -> dict[str, Any]:
+    """The user's variables by name (the first of a name wins, as the walk's roots do)."""
+    variables: dict[str, Any] = {}
+    for name, obj in roots.user:
+        variables.setdefault(name, obj)
+    return variables
+
+
 class Remembered(NamedTuple):
     variable: str
     steps: tuple
@@ -98,9 +106,7 @@ class RememberedPaths:
         storage now (paths of one column re-read together, the others one by one)."""
         if not self._paths or not roots.user:
             return {}
-        variables: dict[str, Any] = {}
-        for name, obj in roots.user:
-            variables.setdefault(name, obj)
+        variables = _variables(roots)
         holders: dict[int, Any] = {}
         storage_of = live.storage_of
         alive = live.storages.__contains__
@@ -123,7 +129,7 @@ class RememberedPaths:
                     arguments = [list(compress(values, here)) for values in arguments]
                 if not keys:
                     continue
-                found = resolve_columns(variables[name], ops, arguments) if arguments else None
+                found = resolve_columns(variables[name], ops, arguments)
                 if found is None:
                     one_by_one += keys
                     continue
@@ -146,13 +152,10 @@ class RememberedPaths:
             variables.clear()
         return holders
 
-
     def recheck(self, keys: Iterable[int], roots: Roots, torch: Any) -> dict[int, Any] | None:
         """Holders for these storages by their remembered paths alone, each re-read now and checked to
         reach a tensor of that same storage; None unless every one does."""
-        variables: dict[str, Any] = {}
-        for name, obj in roots.user:
-            variables.setdefault(name, obj)
+        variables = _variables(roots)
         base = getattr(getattr(torch, "_C", None), "TensorBase", None)
         address = getattr(getattr(torch, "_C", None), "_storage_address", None)
         disable = getattr(getattr(torch, "_C", None), "DisableTorchFunctionSubclass", None)
@@ -164,18 +167,17 @@ class RememberedPaths:
             with disable():
                 for key in keys:
                     known = self.get(key)
-                    if known is None or known[0] not in variables:
+                    if known is None or known.variable not in variables:
                         return None
-                    name, steps, holder = known
                     try:
-                        obj = resolve(variables[name], steps, listed, variables)
+                        obj = resolve(variables[known.variable], known.steps, listed, variables)
                         if obj is MISSING or not mro_has(type(obj), base) or address(obj) != key:
                             return None
                     except Exception:
                         return None
                     finally:
                         obj = None
-                    holders[key] = holder
+                    holders[key] = known.holder
         finally:
             listed.clear()
             variables.clear()

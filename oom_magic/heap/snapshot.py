@@ -64,12 +64,8 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         live, attribution = attribute_reachable(roots, torch, types, where, budget_seconds=budget_seconds)
     try:
         holders = attribution.holders
-        found = list(map(holders.get, live.storages))
-        if all(found):  # every storage has a holder: its records made in one pass
-            storages = tuple(map(held_by, live.storages.values(), map(_HOLDER_KIND, found), map(_HOLDER_PATH, found)))
-        else:
-            storages = tuple(held_by(r, h.kind, h.path) if h else r for r, h in zip(live.storages.values(), found))
-        del found
+        storages = tuple(held_by(r, h.kind, h.path) if (h := holders.get(key)) else r
+                         for key, r in live.storages.items())
     finally:
         live.release()
     notes: list[str] = []
@@ -139,7 +135,6 @@ def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[Storage
 
 
 _ADDRESS, _BYTES, _KIND, _HINT = (attrgetter(name) for name in ("address", "bytes", "holder_kind", "hint"))
-_HOLDER_KIND, _HOLDER_PATH = attrgetter("kind"), attrgetter("path")
 _UNCHANGED_NOTE = ("the allocator's allocation and free counts have not moved since the last scan: its storages' "
                    "remembered paths were re-checked, with no heap pass")
 # device -> (the allocator's (allocated, freed) block counts, the storages found then). Records

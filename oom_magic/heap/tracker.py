@@ -321,16 +321,19 @@ def _records(groups: dict[int, list[Any]], reader: _Reader) -> dict[int, Storage
         return {}
     keys = list(groups)
     wheres, sizes, named, counts, shapes, addresses = zip(*groups.values())
-    try:
-        if any(map(operator.is_, named, repeat(None))):
-            raise LookupError("a bare storage")
-        dtypes = list(map(reader.dtype, named))
-        names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
-        dtype_names = list(map(names.__getitem__, dtypes))
-        read = list(map(tuple, map(reader._shape, named)))
+    read_in_bulk = None
+    if not any(map(operator.is_, named, repeat(None))):  # a bare storage has no tensor to read
+        try:
+            dtypes = list(map(reader.dtype, named))
+            names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
+            read_in_bulk = list(map(names.__getitem__, dtypes)), list(map(tuple, map(reader._shape, named)))
+        except Exception:
+            pass
+    if read_in_bulk is not None:
+        dtype_names, read = read_in_bulk
         if not all(map(operator.is_, shapes, repeat(None))):  # the largest view's shape, kept while grouping
             read = [r if shape is None else shape for shape, r in zip(shapes, read)]
-    except Exception:  # one by one: a failing read gives that storage an unknown dtype or no shape
+    else:  # one by one: a failing read gives that storage an unknown dtype or no shape
         cache: dict[Any, str] = {}
         dtype_names = [_dtype_name(t, cache, reader) if t is not None else "uint8" for t in named]
         read = [shape if shape is not None else reader.shape(t) for t, shape in zip(named, shapes)]

@@ -197,7 +197,7 @@ class Walk:
             if not self._level and self._later:
                 later, self._later = self._later, []
                 kids, parents, once = self._expand(later, defer=False)
-                self._level = self._mark(kids, parents, once, tracked=True)
+                self._level = self._mark(kids, parents, once)
                 del kids, parents, once, later
                 continue
             if not self._level and self._big:
@@ -212,7 +212,7 @@ class Walk:
                     return
                 level, key_parents = self._keys, self._key_parents
                 self._keys, self._key_parents = [], []
-                self._level = self._mark(level, key_parents, tracked=True)  # tracked keys alone
+                self._level = self._mark(level, key_parents)  # tracked keys alone
                 continue
             level, self._level = self._level, []
             if len(level) <= NARROW:
@@ -221,19 +221,19 @@ class Walk:
             following = []
             for start in range(0, len(level), SLICE):
                 kids, parents, once = self._expand(level[start:start + SLICE])
-                stop = self._mark_slices(kids, parents, once, following, tracked=True)
+                stop = self._mark_slices(kids, parents, once, following)
                 del kids, parents, once
                 if stop:
                     break
             self._level = following
 
     def _mark_slices(self, kids: list[Any], parents: list[Any] | Parents, once: list[bool] | None,
-                     following: list[Any], tracked: bool = False) -> bool:
+                     following: list[Any]) -> bool:
         """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
         for at in range(0, len(kids), SLICE):
             part = once[at:at + SLICE] if once is not None else None
             ups = parents.part(at, at + SLICE) if isinstance(parents, Parents) else parents[at:at + SLICE]
-            following.extend(self._mark(kids[at:at + SLICE], ups, part, tracked))
+            following.extend(self._mark(kids[at:at + SLICE], ups, part))
             if self._out_of_budget() or self.done:
                 return True
         return False
@@ -255,17 +255,11 @@ class Walk:
         while level and len(level) <= NARROW:
             following: list[Any] = []
             for obj in level:
-                what = cats.get(id(type(obj)))
-                if what != GENERIC:
-                    flush()  # the bulk passes append segments of their own: keep parents first
+                kids = gc.get_referents(obj) if cats.get(id(type(obj))) == GENERIC else None
+                if kids is None or len(kids) > 64:  # not a plain object, or a big one: the bulk passes
+                    flush()  # they append segments of their own: keep parents first
                     kids, parents, once = self._expand([obj])
-                    if self._mark_slices(kids, parents, once, following, tracked=True):
-                        return following
-                    continue
-                kids = gc.get_referents(obj)
-                if len(kids) > 64:  # one big container: bulk passes, a slice at a time, on the clock
-                    flush()
-                    if self._mark_slices(kids, [obj] * len(kids), None, following):
+                    if self._mark_slices(kids, parents, once, following):
                         return following
                     continue
                 for kid in kids:
@@ -466,7 +460,7 @@ class Walk:
                 once: list[bool] = []
                 self._keep_tracked(kids, parents.at, once, part, start, ONCE_ITERATED)
                 start += len(part)
-                following.extend(self._mark(kids, parents, once, tracked=True))
+                following.extend(self._mark(kids, parents, once))
                 del part, kids
                 if self._out_of_budget() or self.done:
                     return True
@@ -476,7 +470,6 @@ class Walk:
                        lists: list[list[Any]]) -> None:
         """``_extend`` for children read into a list per owner."""
         self._extend(kids, parents, once, objs, list(chain.from_iterable(lists)), map(len, lists), ONCE_LISTED)
-        del lists  # alive until here: the once counts read above include it
 
     def _extend(self, kids: list[Any], parents: Parents, once: list[bool], objs: list[Any], flat: list[Any],
                 lens: Iterable[int], held: tuple[int, int], sequence: bool = False) -> None:
@@ -513,22 +506,13 @@ class Walk:
             for i in compress(count(), map(operator.is_, map(type, objs), repeat(ndarray))):
                 mask[i] = True
 
-    def _mark(self, kids: list[Any], parents: list[Any] | Parents, once: list[bool] | None = None,
-              tracked: bool = False) -> list[Any]:
-        """Keep the tracked children (and untracked object arrays) not reached before; record parents.
+    def _mark(self, kids: list[Any], parents: list[Any] | Parents, once: list[bool] | None = None) -> list[Any]:
+        """Keep the children (tracked objects and object arrays: ``_keep_tracked``'s) not reached before;
+        record parents.
 
         ``once``: for each child, whether its parent alone holds it (never reached another way, so
-        not looked up in ``visited`` nor added to it); None: every child is looked up. ``tracked``:
-        the children are kept ones already (``_extend``'s).
+        not looked up in ``visited`` nor added to it); None: every child is looked up.
         """
-        if not tracked and not isinstance(parents, Parents):
-            mask = list(map(gc.is_tracked, kids))
-            if not all(mask):
-                self._keep_arrays(kids, mask)
-                kids = list(compress(kids, mask))
-                parents = list(compress(parents, mask))
-                if once is not None:
-                    once = list(compress(once, mask))
         ids = list(map(id, kids))
         if once is None or not any(once):
             new = set(ids).difference(self.visited)  # iterates the slice, not everything visited
