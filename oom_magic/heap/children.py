@@ -4,12 +4,14 @@ An object whose reference count says one owner alone holds it can be reached no 
 walk needs no visited entry for it (most of a heap); the count that says so depends on how the
 children were read (``_once_counts``). A child's owner is not kept per child: ``Parents`` keeps
 each owner and where its children end, and finds the owner back by position, and for a sequence
-the child's index, only for the objects being named.
+the child's index, only for the objects being named. Positions are kept in machine-int arrays: an
+int object per child would double what a first scan's walk holds while it runs.
 """
 from __future__ import annotations
 
 import gc
 import sys
+from array import array
 from bisect import bisect_right
 from itertools import accumulate, chain, compress, islice
 from typing import Any
@@ -44,9 +46,10 @@ class Parents:
 
     __slots__ = ("at", "ends", "objs", "sequences")
 
-    def __init__(self, objs: list[Any], ends: list[int], at: list[int],
+    def __init__(self, objs: list[Any], ends: Iterable[int] = (), at: Iterable[int] = (),
                  sequences: list[tuple[int, int]] | None = None) -> None:
-        self.objs, self.ends, self.at = objs, ends, at
+        self.objs = objs
+        self.ends, self.at = _positions(ends), _positions(at)
         self.sequences = sequences if sequences is not None else []
 
     def add(self, objs: list[Any], lens: Iterable[int], sequence: bool = False) -> int:
@@ -62,7 +65,7 @@ class Parents:
         return Parents(self.objs, self.ends, self.at[start:stop], self.sequences)
 
     def keep(self, mask: Iterable[bool]) -> Parents:
-        return Parents(self.objs, self.ends, list(compress(self.at, mask)), self.sequences)
+        return Parents(self.objs, self.ends, compress(self.at, mask), self.sequences)
 
     def of(self, positions: Iterable[int], indexes: dict[int, int], kids: list[int]) -> list[Any]:
         """The owners of the kept children at these indexes of ``at``; the index within its owner of
@@ -75,3 +78,8 @@ class Parents:
             if sequences and any(lo <= owner < hi for lo, hi in sequences):
                 indexes.setdefault(kid, at[i] - (ends[owner - 1] if owner else 0))
         return owners
+
+
+def _positions(values: Iterable[int]) -> array[int]:
+    """Positions as one machine int each (an array passed in is shared, not copied)."""
+    return values if isinstance(values, array) else array("q", values)

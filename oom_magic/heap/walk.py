@@ -29,6 +29,7 @@ remembered path is ``walk_resolve``, and the C-level reads all three use are ``w
 from __future__ import annotations
 
 import gc
+from array import array
 import operator
 import sys
 import time
@@ -380,7 +381,7 @@ class Walk:
         # Each object's kind only where a slice mixes kinds (a level of one type needs no second pass).
         kinds = list(map(cats.__getitem__, tids)) if len(present) > 1 else []
         kids: list[Any] = []
-        parents = Parents([], [], [])
+        parents = Parents([])
         once: list[bool] = []
         # Ties go to what is named by a key or index: a dict's values before generic referents.
         for what in sorted(present, key=_TIE_ORDER.__getitem__):
@@ -455,8 +456,8 @@ class Walk:
                     break
                 # One owner whose children's positions are their indexes (a dict's: its values' order).
                 kids: list[Any] = []
-                parents = Parents([obj], [1 << 62], [], None if type(obj) is dict or mro_has(type(obj), dict)
-                                   else [(0, 1)])
+                parents = Parents([obj], [1 << 62], (), None if type(obj) is dict or mro_has(type(obj), dict)
+                                  else [(0, 1)])
                 once: list[bool] = []
                 self._keep_tracked(kids, parents.at, once, part, start, ONCE_ITERATED)
                 start += len(part)
@@ -478,7 +479,7 @@ class Walk:
         says so, ``_once_counts``). Most children are atoms (ints, strings), dropped before other reads."""
         self._keep_tracked(kids, parents.at, once, flat, parents.add(objs, lens, sequence), held)
 
-    def _keep_tracked(self, kids: list[Any], positions: list[int], once: list[bool], flat: list[Any], base: int,
+    def _keep_tracked(self, kids: list[Any], positions: array[int], once: list[bool], flat: list[Any], base: int,
                       held: tuple[int, int]) -> None:
         """Append the tracked objects and object arrays of ``flat`` to ``kids``, their positions (from
         ``base``) to ``positions`` and whether one owner alone holds each to ``once``."""
