@@ -3,17 +3,18 @@
 An object whose reference count says one owner alone holds it can be reached no other way, so the
 walk needs no visited entry for it (most of a heap); the count that says so depends on how the
 children were read (``_once_counts``). A child's owner is not kept per child: ``Parents`` keeps
-each owner and where its children end, and finds the owner back by position, and for a sequence
-the child's index, only for the objects being named. Positions are kept in machine-int arrays: an
-int object per child would double what a first scan's walk holds while it runs.
+each owner's count of children and a byte per child saying whether it was kept, and works out the
+owner, and for a sequence the child's index, only for the objects being named. A position per
+child cost a first scan a tenth of its time even in a machine-int array (an int object each had
+doubled what the scan holds while it runs).
 """
 from __future__ import annotations
 
 import gc
 import sys
 from array import array
-from bisect import bisect_right
-from itertools import accumulate, chain, compress, islice
+from bisect import bisect_left, bisect_right
+from itertools import accumulate, chain, compress
 from typing import Any
 from collections.abc import Iterable
 
@@ -38,48 +39,122 @@ ONCE_LISTED = _once_counts(True) if _GIL else (-1, -1)
 
 
 class Parents:
-    """Who holds each child of one expanded slice, without an entry per child: the child at position
-    ``p`` of the slice's children (atoms included) belongs to ``objs[bisect_right(ends, p)]``; ``at``
-    holds each kept child's position, in the order of the kept children. ``sequences``: the ranges
-    of owners read as sequences (lists, tuples, namedtuples, sets, deques), whose child at position
-    ``p`` is their item ``p - (the owner's first position)``: its index, never searched for."""
+    """Who holds each kept child of one expanded slice, with no entry per child. Children come in
+    chunks, one per group of owners read together (``add``): its owners, how many children each
+    has, which of those children were kept (a byte each; None: all) and whether the owners are read
+    as sequences (lists, tuples, namedtuples, sets, deques), whose child's index within its owner
+    is its place there, never searched for. ``part`` and ``keep`` narrow the kept children as the
+    walk marks them, sharing the chunks; an owner is worked out (``of``) only for the few children
+    being named."""
 
-    __slots__ = ("at", "ends", "objs", "sequences")
+    __slots__ = ("_chunks", "_ends", "_lo", "_picked")
 
-    def __init__(self, objs: list[Any], ends: Iterable[int] = (), at: Iterable[int] = (),
-                 sequences: list[tuple[int, int]] | None = None) -> None:
-        self.objs = objs
-        self.ends, self.at = _positions(ends), _positions(at)
-        self.sequences = sequences if sequences is not None else []
+    def __init__(self, chunks: list[_Chunk] | None = None, ends: array[int] | None = None, lo: int = 0,
+                 picked: bytes | None = None) -> None:
+        self._chunks = chunks if chunks is not None else []
+        self._ends = ends if ends is not None else array("q")  # the kept children up to each chunk's end
+        self._lo, self._picked = lo, picked  # from the ``lo``-th kept child on, those ``picked`` keeps
 
-    def add(self, objs: list[Any], lens: Iterable[int], sequence: bool = False) -> int:
-        """Append owners and how many children each has; the position of their first child."""
-        base = self.ends[-1] if self.ends else 0
-        if sequence:
-            self.sequences.append((len(self.objs), len(self.objs) + len(objs)))
-        self.objs.extend(objs)
-        self.ends.extend(islice(accumulate(lens, initial=base), 1, None))
-        return base
+    def add(self, objs: list[Any], lens: Iterable[int], kept: bytes | None, count_kept: int,
+            sequence: bool = False, first: int = 0) -> None:
+        """A chunk: owners ``objs`` with ``lens`` children each, ``kept`` marking those kept (None: all,
+        ``count_kept`` of them); ``first``: the first child's index within the first owner."""
+        if count_kept:
+            self._chunks.append(_Chunk(objs, lens, kept, sequence, first))
+            self._ends.append((self._ends[-1] if self._ends else 0) + count_kept)
 
-    def part(self, start: int, stop: int) -> Parents:
-        return Parents(self.objs, self.ends, self.at[start:stop], self.sequences)
+    def part(self, start: int) -> Parents:
+        """The kept children from ``start`` on (of a Parents no ``keep`` narrowed), for a slice of them."""
+        return Parents(self._chunks, self._ends, self._lo + start)
 
-    def keep(self, mask: Iterable[bool]) -> Parents:
-        return Parents(self.objs, self.ends, compress(self.at, mask), self.sequences)
+    def keep(self, mask: list[bool]) -> Parents:
+        """The children ``mask`` keeps of these (``mask``: one flag per child of this one)."""
+        if all(mask):
+            return self
+        if self._picked is not None:  # narrowed twice: the second mask applies to the first's kept ones
+            flags = iter(mask)
+            mask = [bool(p) and next(flags) for p in self._picked]
+        return Parents(self._chunks, self._ends, self._lo, bytes(mask))
 
     def of(self, positions: Iterable[int], indexes: dict[int, int], kids: list[int]) -> list[Any]:
-        """The owners of the kept children at these indexes of ``at``; the index within its owner of
-        each child of a sequence goes into ``indexes`` (id -> index; ``kids``: the children's ids)."""
-        objs, ends, at, sequences = self.objs, self.ends, self.at, self.sequences
+        """The owners of the children at these indexes (of this one's kept children, ascending); the index
+        within its owner of each child of a sequence goes into ``indexes`` (id -> index; ``kids``: their ids)."""
+        chunks, ends, lo = self._chunks, self._ends, self._lo
+        ranks = list(positions)
+        if self._picked is not None:
+            ranks = set_positions(self._picked, ranks)
         owners = []
-        for i, kid in zip(positions, kids):
-            owner = bisect_right(ends, at[i])
-            owners.append(objs[owner])
-            if sequences and any(lo <= owner < hi for lo, hi in sequences):
-                indexes.setdefault(kid, at[i] - (ends[owner - 1] if owner else 0))
+        at = 0
+        while at < len(ranks):  # the children of one chunk at a time
+            c = bisect_right(ends, lo + ranks[at])
+            start = ends[c - 1] if c else 0
+            stop = bisect_left(ranks, ends[c] - lo, at)
+            chunk = chunks[c]
+            mine = [lo + r - start for r in ranks[at:stop]]
+            for rank, kid in zip(set_positions(chunk.kept, mine) if chunk.kept is not None else mine, kids[at:stop]):
+                owner, index = chunk.owner(rank)
+                owners.append(chunk.objs[owner])
+                if chunk.sequence:
+                    indexes.setdefault(kid, index)
+            at = stop
         return owners
 
 
-def _positions(values: Iterable[int]) -> array[int]:
-    """Positions as one machine int each (an array passed in is shared, not copied)."""
-    return values if isinstance(values, array) else array("q", values)
+class _Chunk:
+    """One group of owners read together: the owner of one of their children, and its index within it."""
+
+    __slots__ = ("_ends", "_step", "first", "kept", "lens", "objs", "sequence")
+
+    def __init__(self, objs: list[Any], lens: Iterable[int], kept: bytes | None, sequence: bool,
+                 first: int) -> None:
+        self.objs, self.kept, self.sequence, self.first = objs, kept, sequence, first
+        lens = list(lens)
+        try:
+            self.lens: bytes | array[int] = bytes(lens)  # a byte per owner where each has < 256 children
+        except ValueError:
+            self.lens = array("q", lens)
+        # Owners of one size (records of one class, dicts of one shape): the owner is a division away.
+        self._step = lens[0] if len(lens) > 1 and lens[0] and self.lens.count(lens[0]) == len(lens) else 0
+        self._ends: array[int] | None = None
+
+    def owner(self, position: int) -> tuple[int, int]:
+        """(the owner's place in ``objs``, the child's index within it) of the child at ``position``."""
+        if len(self.lens) == 1:
+            return 0, position + self.first
+        if self._step:
+            return divmod(position, self._step)
+        if self._ends is None:
+            self._ends = array("q", accumulate(self.lens))
+        owner = bisect_right(self._ends, position)
+        return owner, position - (self._ends[owner - 1] if owner else 0)
+
+
+_BLOCK, _SPAN = 256, 256 * 16
+
+
+def set_positions(mask: bytes, ranks: list[int]) -> list[int]:
+    """Where the set bytes of ``mask`` numbered ``ranks`` (ascending, from 0) are: counted a block at a
+    time in C, and listed only within the blocks they fall in. A few children named out of a slice
+    of thousands cost microseconds, where listing every set position cost a millisecond a slice."""
+    found: list[int] = []
+    block, seen, size = 0, 0, len(mask)
+    listed: list[int] | None = None  # the set positions of the current block, once one is asked for
+    for rank in ranks:
+        while block + _SPAN < size:  # whole spans first: a slice's mask is tens of thousands of bytes
+            in_span = mask.count(1, block, block + _SPAN)
+            if seen + in_span > rank:
+                break
+            seen += in_span
+            block += _SPAN
+            listed = None
+        while block + _BLOCK < size:
+            in_block = mask.count(1, block, block + _BLOCK)
+            if seen + in_block > rank:
+                break
+            seen += in_block
+            block += _BLOCK
+            listed = None
+        if listed is None:
+            listed = list(compress(range(block, block + _BLOCK), mask[block:block + _BLOCK]))
+        found.append(listed[rank - seen])
+    return found

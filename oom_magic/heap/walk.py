@@ -29,7 +29,6 @@ remembered path is ``walk_resolve``, and the C-level reads all three use are ``w
 from __future__ import annotations
 
 import gc
-from array import array
 import operator
 import sys
 import time
@@ -233,7 +232,7 @@ class Walk:
         """Mark children a slice at a time (one huge container too), on the clock; True: stop now."""
         for at in range(0, len(kids), SLICE):
             part = once[at:at + SLICE] if once is not None else None
-            ups = parents.part(at, at + SLICE) if isinstance(parents, Parents) else parents[at:at + SLICE]
+            ups = parents.part(at) if isinstance(parents, Parents) else parents[at:at + SLICE]
             following.extend(self._mark(kids[at:at + SLICE], ups, part))
             if self._out_of_budget() or self.done:
                 return True
@@ -381,7 +380,7 @@ class Walk:
         # Each object's kind only where a slice mixes kinds (a level of one type needs no second pass).
         kinds = list(map(cats.__getitem__, tids)) if len(present) > 1 else []
         kids: list[Any] = []
-        parents = Parents([])
+        parents = Parents()
         once: list[bool] = []
         # Ties go to what is named by a key or index: a dict's values before generic referents.
         for what in sorted(present, key=_TIE_ORDER.__getitem__):
@@ -456,10 +455,11 @@ class Walk:
                     break
                 # One owner whose children's positions are their indexes (a dict's: its values' order).
                 kids: list[Any] = []
-                parents = Parents([obj], [1 << 62], (), None if type(obj) is dict or mro_has(type(obj), dict)
-                                  else [(0, 1)])
+                parents = Parents()
                 once: list[bool] = []
-                self._keep_tracked(kids, parents.at, once, part, start, ONCE_ITERATED)
+                kept = self._keep_tracked(kids, once, part, ONCE_ITERATED)
+                parents.add([obj], [len(part)], kept, len(kids),
+                            sequence=not (type(obj) is dict or mro_has(type(obj), dict)), first=start)
                 start += len(part)
                 following.extend(self._mark(kids, parents, once))
                 del part, kids
@@ -477,33 +477,33 @@ class Walk:
         """Add the tracked objects and object arrays of ``flat`` (``objs``' children, ``lens`` of each),
         their parents and whether that parent alone holds each (``held``: the reference counts that
         says so, ``_once_counts``). Most children are atoms (ints, strings), dropped before other reads."""
-        self._keep_tracked(kids, parents.at, once, flat, parents.add(objs, lens, sequence), held)
+        before = len(kids)
+        kept = self._keep_tracked(kids, once, flat, held)
+        parents.add(objs, lens, kept, len(kids) - before, sequence)
 
-    def _keep_tracked(self, kids: list[Any], positions: array[int], once: list[bool], flat: list[Any], base: int,
-                      held: tuple[int, int]) -> None:
-        """Append the tracked objects and object arrays of ``flat`` to ``kids``, their positions (from
-        ``base``) to ``positions`` and whether one owner alone holds each to ``once``."""
+    def _keep_tracked(self, kids: list[Any], once: list[bool], flat: list[Any], held: tuple[int, int]) -> bytes | None:
+        """Append the tracked objects and object arrays of ``flat`` to ``kids`` and whether one owner
+        alone holds each to ``once``; which of ``flat`` were kept, a byte each (None: all)."""
         if not flat:
-            return
+            return None
         mask = list(map(gc.is_tracked, flat))
         if all(mask):
             once.extend(map(held[0].__eq__, map(sys.getrefcount, flat)))  # before kids holds them too
             kids.extend(flat)
-            positions.extend(range(base, base + len(flat)))
-            return
+            return None
         self._keep_arrays(flat, mask)
         if not any(mask):
-            return
+            return None
         kept = list(compress(flat, mask))
         once.extend(map(held[1].__eq__, map(sys.getrefcount, kept)))
         kids.extend(kept)
-        positions.extend(compress(count(base), mask))
+        return bytes(mask)
 
     def _keep_arrays(self, objs: list[Any], mask: list[bool]) -> None:
         """Set ``mask`` for the numpy arrays among ``objs``: untracked by gc, an object array holds objects."""
         ndarray = self.ndarray
-        if ndarray is not None and any(map(operator.is_, map(type, compress(objs, map(operator.not_, mask))),
-                                           repeat(ndarray))):
+        # By identity over every child: cheaper than picking out the untracked ones first.
+        if ndarray is not None and any(map(operator.is_, map(type, objs), repeat(ndarray))):
             for i in compress(count(), map(operator.is_, map(type, objs), repeat(ndarray))):
                 mask[i] = True
 

@@ -89,6 +89,47 @@ def test_every_object_the_walk_reaches_has_the_parent_that_holds_it():
         walk.release()
 
 
+def test_owners_are_found_back_from_a_byte_per_child_across_wide_slices():
+    """Slices of thousands of owners whose children are mostly atoms (each kept child's place is a byte
+    in a mask tens of thousands long), owners of one size and of many sizes, lists read as sequences:
+    every child named has the parent that holds it, and an item its index."""
+    records = [Token(i, torch.ones(1) if i % 97 == 0 else (i, [i])) for i in range(20_000)]
+    ragged = [{"k": i, "v": [i] * (i % 5), **({"t": torch.ones(1)} if i % 89 == 0 else {})} for i in range(9_000)]
+    rows = [[i, f"s{i}", torch.ones(1)] if i % 83 == 0 else [i, f"s{i}", None] for i in range(9_000)]
+    heap = {"records": records, "ragged": ragged, "rows": rows}
+    tensors = [o for o in gc.get_objects() if type(o) is torch.Tensor]
+    walk = Walk([heap, tensors])
+    try:
+        walk.start(USER, list(heap.items()))
+        walk.run()
+        reached = [id(t) for t in tensors if walk.reached(id(t))]
+        assert len(reached) == len(range(0, 20_000, 97)) + len(range(0, 9_000, 89)) + len(range(0, 9_000, 83))
+        parents = walk.parents_of(reached)
+        for child, parent in parents.items():
+            if type(parent).__name__ != "Root":
+                assert child in _children(parent), type(parent)
+        for i in range(0, 9_000, 83):  # a row's tensor: its index, read by the walk
+            assert walk.indexes[id(rows[i][2])] == 2 and parents[id(rows[i][2])] is rows[i]
+            assert walk.indexes[id(rows[i])] == i
+    finally:
+        walk.release()
+
+
+def test_set_positions_finds_each_numbered_set_byte():
+    import random
+
+    from oom_magic.heap.children import set_positions
+
+    rng = random.Random(24)
+    for size in (1, 255, 256, 257, 4095, 4096, 4097, 40_000):
+        for density in (0.02, 0.5, 1.0):
+            mask = bytes(rng.random() < density for _ in range(size))
+            every = [i for i, b in enumerate(mask) if b]
+            for asked in (1, 7, len(every)):
+                ranks = sorted(rng.sample(range(len(every)), min(asked, len(every))))
+                assert set_positions(mask, ranks) == [every[r] for r in ranks], (size, density, asked)
+
+
 def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
     base = torch.zeros(40, 10)
     empty = torch.empty(0)
