@@ -28,6 +28,8 @@ MAX_SHOWN_STEPS = 64
 _ENDS = 24
 # A long path's depth and runs are memoised every this many links (a climb stops at the nearest).
 _MEMO_EVERY = 64
+# A dict this small is searched for the one child asked about, with nothing cached for its siblings.
+_SMALL = 16
 _MODULE_CHILD_DICTS = ("_parameters", "_buffers", "_modules")
 
 
@@ -425,6 +427,9 @@ class Namer:
 
     def _reverse_map(self, container: Any, mapping: dict, child_id: int) -> dict[int, Any]:
         """id(value) -> its key in ``mapping`` for the children being named (the first key wins)."""
+        if dict.__len__(mapping) <= _SMALL:  # a record-like dict (one per tensor): its first match, nothing kept
+            key = next(compress(dict.keys(mapping), map(child_id.__eq__, map(id, dict.values(mapping)))), MISSING)
+            return {} if key is MISSING else {child_id: key}
         cached = self._reverse.get(id(container))
         if cached is None or child_id not in cached:
             needed = self._needed(container, child_id)

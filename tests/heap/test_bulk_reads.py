@@ -255,3 +255,22 @@ def test_an_item_of_a_huge_list_is_named_by_the_index_the_walk_read():
         assert Namer(walk, None).steps(id(tensors[0]))[1] == (("index", 30_001),)
     finally:
         walk.release()
+
+
+def test_a_value_under_two_keys_is_named_by_the_first_in_a_small_dict_and_a_big_one():
+    """A small dict is searched for the one child asked about, a big one once for every child being
+    named: both give the first key holding it, and a dict holding it as no value names no key."""
+    shared, other = torch.ones(2), torch.ones(3)
+    small = {"a": 1, "first": shared, "second": shared}
+    big = {f"k{i}": i for i in range(100)} | {"first": other, "again": other, "more": shared}
+    heap = {"small": small, "big": big}
+    walk = Walk([heap])
+    try:
+        walk.start(USER, list(heap.items()))
+        walk.run()
+        namer = Namer(walk, None)
+        assert namer.steps(id(shared)) == (walk.roots[id(small)], (("key", "first"),))
+        assert namer.steps(id(other)) == (walk.roots[id(big)], (("key", "first"),))
+        assert namer._reverse_map(small, small, id(other)) == {}
+    finally:
+        walk.release()
