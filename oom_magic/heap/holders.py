@@ -30,7 +30,7 @@ from .names import Namer, render
 from .reads import instance_attributes, plain_dict_slot, qualname
 from .remembered import RememberedPaths
 from .garbage import forget_garbage, garbage_storages, still_garbage
-from .library import forget_library_chains, remember_chain, still_library_held
+from .library import forget_library_chains, held_as_defaults, remember_chain, still_library_held
 from .referrers import referrers_of
 
 __all__ = ["GARBAGE", "OTHER", "OUTPUT_CACHE", "STALE_KINDS", "TRACEBACK", "USER", "Attribution", "Holder",
@@ -150,6 +150,12 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
         [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     known: dict[int, list[Any]] = {}  # the garbage search's referrers, climbed again by the chains
     try:
+        if unclaimed and (find_garbage or trace_other) and \
+                len({live.storage_of[id(t)] for t in unclaimed}) <= _CHAINS_REMEMBERED:
+            # A library function's default argument: one pass over the functions, not a climb of five.
+            for key, text in held_as_defaults(live, unclaimed).items():
+                holders.setdefault(key, Holder(OTHER, text, "library"))
+            unclaimed = [t for t in unclaimed if live.storage_of[id(t)] not in holders]
         if unclaimed and find_garbage:
             for key in garbage_storages(live, unclaimed, referrers=known):
                 holders.setdefault(key, Holder(GARBAGE, "unreachable reference cycle", "gc"))

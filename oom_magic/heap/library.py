@@ -9,14 +9,24 @@ every link is still there and every object on it, the tensor included, is referr
 parent on the chain and by nothing else (its reference count says so). Then no variable reaches
 it, except through a module or class, which the walk never enters: the same answer as a walk.
 Any doubt and the storage is searched for as on a first scan.
+
+A library function's default argument (``def forward(ctx, x, scale=torch.tensor(1.0))`` in peft's
+LoHa layer) is found on a first scan without that climb: one pass picks the heap's functions,
+the one whose defaults hold the tensor is found on its module by its qualified name, and is
+named so (``peft.tuners.loha.layer.HadaWeight.forward.__defaults__[2]``); a climb through the
+referrers took a full heap pass for each of its five links.
 """
 from __future__ import annotations
 
 import gc
+import operator
 import sys
+import types
 import weakref
+from itertools import compress, repeat
 from typing import Any
 
+from .reads import MISSING, module_dict, type_dict
 from .tracker import LiveTensors
 
 # storage key -> (weak reference to the chain's top, ids below it down to the tensor, the text).
@@ -82,3 +92,95 @@ def _holds_alone(ref: weakref.ref, ids: tuple[int, ...], tensors: set[int]) -> b
         parent = child
         child = None
     return True
+
+
+_DEFAULTS = types.FunctionType.__dict__["__defaults__"].__get__  # C-level reads: no user code runs
+_KWDEFAULTS = types.FunctionType.__dict__["__kwdefaults__"].__get__
+_MODULE_OF = types.FunctionType.__dict__["__module__"].__get__
+_QUALNAME_OF = types.FunctionType.__dict__["__qualname__"].__get__
+_IS_CLASS = type.__subclasscheck__
+_WRAPPED = {staticmethod: staticmethod.__dict__["__func__"].__get__,
+            classmethod: classmethod.__dict__["__func__"].__get__}
+
+
+def held_as_defaults(live: LiveTensors, unclaimed: list[Any]) -> dict[int, str]:
+    """Storages (each viewed by one tensor) that a function defined on a module or class holds as a
+    default argument, found by its qualified name from its module: key -> the path, its chain
+    remembered as ``remember_chain``'s."""
+    wanted = {id(t): t for t in unclaimed}
+    objects = gc.get_objects()
+    functions = list(compress(objects, map(operator.is_, map(type, objects), repeat(types.FunctionType))))
+    objects.clear()
+    found: dict[int, str] = {}
+    try:
+        defaults = list(map(_DEFAULTS, functions))
+        kwdefaults = list(map(_KWDEFAULTS, functions))
+        for function, positional, named in zip(functions, defaults, kwdefaults):
+            if positional is not None and not wanted.keys().isdisjoint(map(id, positional)):
+                for i, value in enumerate(positional):
+                    if id(value) in wanted:
+                        _name_default(live, function, positional, value, f".__defaults__[{i}]", found)
+            if type(named) is dict and not wanted.keys().isdisjoint(map(id, dict.values(named))):
+                for name, value in dict.items(named):
+                    if id(value) in wanted:
+                        _name_default(live, function, named, value, f".__kwdefaults__[{name!r}]", found)
+    finally:
+        functions.clear()
+        defaults.clear()
+        kwdefaults.clear()
+    return found
+
+
+def _name_default(live: LiveTensors, function: Any, held_in: Any, tensor: Any, step: str,
+                  found: dict[int, str]) -> None:
+    key = live.storage_of.get(id(tensor))
+    if key is None or key in found or sum(1 for k in live.storage_of.values() if k == key) != 1:
+        return
+    place = _defined_at(function)
+    if place is None:
+        return
+    top, below, path = place
+    text = path + step
+    found[key] = text
+    remember_chain(key, top, [*below, held_in, tensor], text)
+
+
+def _defined_at(function: Any) -> tuple[Any, list[Any], str] | None:
+    """(the module or class whose namespace holds ``function``, the objects from that namespace's
+    dict down to the function, its dotted path) when its module and qualified name reach it
+    through dicts alone (a class's, a staticmethod's or classmethod's function), else None."""
+    module_name, qualname = _MODULE_OF(function), _QUALNAME_OF(function)
+    if type(module_name) is not str or type(qualname) is not str or "<" in qualname:
+        return None
+    module = sys.modules.get(module_name)
+    if type(module) is not types.ModuleType:
+        return None
+    top: Any = module
+    namespace = module_dict(module)
+    parts = qualname.split(".")
+    for part in parts[:-1]:  # the classes the function is defined in
+        cls = dict.get(namespace, part, MISSING)
+        if not _IS_CLASS(type, type(cls)):  # by the type's MRO: no __class__ of a proxy is read
+            return None
+        top, namespace = cls, _real_dict(cls)
+        if namespace is None:
+            return None
+    attr = dict.get(namespace, parts[-1], MISSING)
+    below = [namespace, attr]
+    unwrap = _WRAPPED.get(type(attr))
+    if unwrap is not None:
+        attr = unwrap(attr)
+        below.append(attr)
+    if attr is not function:
+        return None
+    return top, below, f"{module_name}.{qualname}"
+
+
+def _real_dict(cls: type) -> dict[str, Any] | None:
+    """A class's own namespace dict (``cls.__dict__`` is a read-only proxy of it): its referent."""
+    proxy = type_dict(cls)
+    for referent in gc.get_referents(cls):
+        if type(referent) is dict and len(referent) == len(proxy) and all(
+                dict.get(referent, name, MISSING) is value for name, value in proxy.items()):
+            return referent
+    return None

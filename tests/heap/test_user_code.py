@@ -26,6 +26,32 @@ MODULE = textwrap.dedent('''
 ''')
 
 
+# A library's functions holding tensors as default arguments (peft's LoHa layer holds `scale` so).
+LIBRARY_FUNCTIONS = textwrap.dedent('''
+    import torch
+
+    class Hada(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, scale=torch.ones(50)):
+            return x * scale
+
+    class Plain:
+        @classmethod
+        def make(cls, *, table=torch.ones(60)):
+            return table
+
+    def helper(x, bias=torch.ones(70)):
+        return x + bias
+
+    def factory():
+        def inner(x, hidden=torch.ones(80)):
+            return x
+        return inner
+
+    KEPT = [factory()]
+''')
+
+
 @pytest.fixture
 def user_modules(tmp_path, monkeypatch):
     """A notebook folder (the working directory) with a module of the user's, and a library folder."""
@@ -35,6 +61,7 @@ def user_modules(tmp_path, monkeypatch):
     library.mkdir()
     (folder / "mymod.py").write_text(MODULE)
     (library / "libmod.py").write_text("import torch\nGLOBAL = torch.ones(40)\n")
+    (library / "libfuncs.py").write_text(LIBRARY_FUNCTIONS)
     monkeypatch.chdir(folder)
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.syspath_prepend(str(library))
@@ -107,3 +134,31 @@ def test_a_test_harness_modules_are_not_the_notebooks() -> None:
     names = set(user_code.user_module_names(root).values())
     assert not {n for n in names if n == "tests" or n.startswith("tests.")}
     assert "tests.conftest" in __import__("sys").modules  # there to be judged, and judged not the user's
+
+
+def test_a_library_functions_default_arguments_are_named_by_the_function_without_a_climb(ip, user_modules,
+                                                                                        monkeypatch):
+    """A tensor a library function holds as a default (a staticmethod of an autograd Function, a
+    classmethod's keyword default, a module function) is named by the function's module and
+    qualified name, found with no garbage search nor climb through the heap's referrers; a nested
+    function, which no name reaches, is searched and climbed to as before."""
+    from oom_magic.heap import holders
+
+    assert ip.run_cell("import torch\nimport libfuncs\ndel libfuncs", store_history=True).success
+    functions = sys.modules["libfuncs"]
+    named = {id(functions.Hada.forward.__defaults__[0]), id(functions.Plain.make.__kwdefaults__["table"]),
+             id(functions.helper.__defaults__[0])}
+    del functions
+    forget_paths()
+    searched: set[int] = set()  # ids of the tensors the garbage search (a climb of the referrers) was given
+    real = holders.garbage_storages
+    monkeypatch.setattr(holders, "garbage_storages",
+                        lambda live, unclaimed, **kw: searched.update(map(id, unclaimed)) or real(live, unclaimed, **kw))
+    for _ in range(2):
+        other = _paths(ip.run_line_magic("gpumem", "-o --device cpu --all"), "other")
+        assert other["libfuncs.Hada.forward.__defaults__[0]"] == 200
+        assert other["libfuncs.Plain.make.__kwdefaults__['table']"] == 240
+        assert other["libfuncs.helper.__defaults__[0]"] == 280
+        assert [p for p, b in other.items() if b == 320 and "__defaults__" not in p], other  # climbed to
+        assert not _paths(ip.run_line_magic("gpumem", "-o --device cpu --all"), "user").keys() & other.keys()
+    assert searched and not searched & named  # the nested function's default alone is searched for
