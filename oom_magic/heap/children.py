@@ -129,7 +129,8 @@ class _Chunk:
         return owner, position - (self._ends[owner - 1] if owner else 0)
 
 
-_BLOCK, _SPAN = 256, 256 * 16
+_BLOCK = 256
+_WIDTHS = (_BLOCK * 16, _BLOCK)
 
 
 def set_positions(mask: bytes, ranks: list[int]) -> list[int]:
@@ -143,26 +144,20 @@ def set_positions(mask: bytes, ranks: list[int]) -> list[int]:
         return list(map(every.__getitem__, ranks))
     found: list[int] = []
     block, seen = 0, 0
-    in_span: int | None = None  # set bytes in the span and the block from ``block``, once counted
-    in_block: int | None = None
+    counted: dict[int, int] = {}  # width -> set bytes in that many from ``block``, once counted
     listed: list[int] | None = None  # the set positions of the current block, once one is asked for
     for rank in ranks:
-        while block + _SPAN < size:  # whole spans first: a slice's mask is tens of thousands of bytes
-            if in_span is None:
-                in_span = mask.count(1, block, block + _SPAN)
-            if seen + in_span > rank:
-                break
-            seen += in_span
-            block += _SPAN
-            in_span = in_block = listed = None
-        while block + _BLOCK < size:
-            if in_block is None:
-                in_block = mask.count(1, block, block + _BLOCK)
-            if seen + in_block > rank:
-                break
-            seen += in_block
-            block += _BLOCK
-            in_span = in_block = listed = None
+        for width in _WIDTHS:  # whole spans first (a slice's mask is tens of thousands of bytes), then blocks
+            while block + width < size:
+                in_width = counted.get(width)
+                if in_width is None:
+                    in_width = counted[width] = mask.count(1, block, block + width)
+                if seen + in_width > rank:
+                    break
+                seen += in_width
+                block += width
+                counted.clear()
+                listed = None
         if listed is None:
             listed = list(compress(range(block, block + _BLOCK), mask[block:block + _BLOCK]))
         found.append(listed[rank - seen])

@@ -71,22 +71,29 @@ def _children(obj: object) -> list[int]:
 
 def test_every_object_the_walk_reaches_has_the_parent_that_holds_it():
     heap = _heap()
-    # Held here as a scan holds them (so each is looked up, not taken as held once): read back whole chains.
-    tensors = [o for o in gc.get_objects() if type(o) is torch.Tensor]
-    walk = Walk([heap, tensors])
+    walk, reached, parents = _walked(heap)
     try:
-        walk.start(USER, list(heap.items()))
-        walk.run()
-        reached = [id(t) for t in tensors if walk.reached(id(t))]
         assert len(reached) >= 43 + 40 + 100 + 30 + 2 + 20 + 2
-        parents = walk.parents_of(reached)
         assert len(parents) > len(reached)  # with every ancestor up to the roots
-        for child, parent in parents.items():
-            if type(parent).__name__ != "Root":
-                assert child in _children(parent), type(parent)
         assert id(heap["column"][0]) in parents  # an untracked object array's item
     finally:
         walk.release()
+
+
+def _walked(heap: dict[str, object]) -> tuple[Walk, list[int], dict[int, object]]:
+    """The walk of ``heap`` (release it), the ids of the tensors it reached and their parents up to
+    the roots, each checked to be a real referent of the parent given for it."""
+    # Held here as a scan holds them (so each is looked up, not taken as held once): read back whole chains.
+    tensors = [o for o in gc.get_objects() if type(o) is torch.Tensor]
+    walk = Walk([heap, tensors])
+    walk.start(USER, list(heap.items()))
+    walk.run()
+    reached = [id(t) for t in tensors if walk.reached(id(t))]
+    parents = walk.parents_of(reached)
+    for child, parent in parents.items():
+        if type(parent).__name__ != "Root":
+            assert child in _children(parent), type(parent)
+    return walk, reached, parents
 
 
 def test_owners_are_found_back_from_a_byte_per_child_across_wide_slices():
@@ -96,18 +103,9 @@ def test_owners_are_found_back_from_a_byte_per_child_across_wide_slices():
     records = [Token(i, torch.ones(1) if i % 97 == 0 else (i, [i])) for i in range(20_000)]
     ragged = [{"k": i, "v": [i] * (i % 5), **({"t": torch.ones(1)} if i % 89 == 0 else {})} for i in range(9_000)]
     rows = [[i, f"s{i}", torch.ones(1)] if i % 83 == 0 else [i, f"s{i}", None] for i in range(9_000)]
-    heap = {"records": records, "ragged": ragged, "rows": rows}
-    tensors = [o for o in gc.get_objects() if type(o) is torch.Tensor]
-    walk = Walk([heap, tensors])
+    walk, reached, parents = _walked({"records": records, "ragged": ragged, "rows": rows})
     try:
-        walk.start(USER, list(heap.items()))
-        walk.run()
-        reached = [id(t) for t in tensors if walk.reached(id(t))]
         assert len(reached) == len(range(0, 20_000, 97)) + len(range(0, 9_000, 89)) + len(range(0, 9_000, 83))
-        parents = walk.parents_of(reached)
-        for child, parent in parents.items():
-            if type(parent).__name__ != "Root":
-                assert child in _children(parent), type(parent)
         for i in range(0, 9_000, 83):  # a row's tensor: its index, read by the walk
             assert walk.indexes[id(rows[i][2])] == 2 and parents[id(rows[i][2])] is rows[i]
             assert walk.indexes[id(rows[i])] == i
