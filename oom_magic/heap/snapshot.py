@@ -19,7 +19,7 @@ from ..device.mapped import file_pages_of, process_file_resident
 from ..device.nvml import Nvml
 from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
 from ..records.snapshot import (HOLDER_KINDS, USER, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot,
-                                StorageRecord, held_by)
+                                StorageRecord, give_holders)
 from .roots import Roots, collect_roots
 from .tracker import find_tensors, pins_nothing, tensor_types
 
@@ -64,8 +64,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
         live, attribution = attribute_reachable(roots, torch, types, where, budget_seconds=budget_seconds)
     try:
         holders = attribution.holders
-        storages = tuple(held_by(r, h.kind, h.path) if (h := holders.get(key)) else r
-                         for key, r in live.storages.items())
+        storages = give_holders(live.storages, holders)  # this scan's own records: none shared yet
     finally:
         live.release()
     notes: list[str] = []

@@ -23,7 +23,7 @@ from oom_magic.heap.resolve import column_form, resolve, resolve_columns
 from oom_magic.heap.names import Namer
 from oom_magic.heap.walk import Walk
 from oom_magic.records.data import frozen_record
-from oom_magic.records.snapshot import USER, StorageRecord, held_by, storage_record
+from oom_magic.records.snapshot import USER, StorageRecord, give_holders, storage_record
 
 
 class Token:
@@ -227,7 +227,10 @@ def test_records_made_in_bulk_are_the_dataclass_records():
     made = storage_record(**fields, address=99)
     plain = StorageRecord(1, "cpu", 16, "float32", (4,), 2, address=99)
     assert made == plain and hash(made) == hash(plain) and repr(made) == repr(plain)
-    assert held_by(made, USER, "x[1]") == dataclasses.replace(plain, holder_kind=USER, holder_path="x[1]")
+    other = storage_record(**(fields | {"key": 2}))
+    given = give_holders({1: made, 2: other}, {1: Holder(USER, "x[1]", "x"), 3: Holder(USER, "gone", "gone")})
+    held = dataclasses.replace(plain, holder_kind=USER, holder_path="x[1]")
+    assert given == (held, StorageRecord(2, "cpu", 16, "float32", (4,), 2)) and hash(given[0]) == hash(held)
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.bytes = 3  # type: ignore[misc]
     assert set(made.__dict__) == {f.name for f in dataclasses.fields(StorageRecord)}
