@@ -22,7 +22,7 @@ from functools import wraps
 from typing import Any, TypeVar
 from collections.abc import Callable, Iterable, Iterator
 
-from ..records.snapshot import OTHER, StorageRecord, storage_record  # StorageRecord: re-exported
+from ..records.snapshot import StorageRecord, storage_records  # StorageRecord: re-exported
 
 # Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
@@ -337,8 +337,7 @@ def _records(groups: dict[int, list[Any]], reader: _Reader) -> dict[int, Storage
         cache: dict[Any, str] = {}
         dtype_names = [_dtype_name(t, cache, reader) if t is not None else "uint8" for t in named]
         read = [shape if shape is not None else reader.shape(t) for t, shape in zip(named, shapes)]
-    return dict(zip(keys, map(storage_record, keys, wheres, sizes, dtype_names, read, counts, repeat(OTHER),
-                              repeat(None), addresses)))
+    return dict(zip(keys, storage_records(keys, wheres, sizes, dtype_names, read, counts, addresses)))
 
 
 def _group_each(dense: list[Any], reader: _Reader, device: str | None, groups: dict[int, list[Any]],

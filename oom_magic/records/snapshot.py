@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import cached_property
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from itertools import repeat
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from .data import frozen_record, record_dict
@@ -49,14 +50,18 @@ class StorageRecord:
     mapped_bytes: int = 0  # cpu: of bytes, a view of a memory-mapped file (file pages, not anonymous memory)
 
 
-def storage_record(key: int, device: str, nbytes: int, dtype: str, shape: tuple[int, ...], tensor_count: int,
-                   holder_kind: HolderKind = "other", holder_path: str | None = None, address: int = 0,
-                   mapped_bytes: int = 0) -> StorageRecord:
-    """``StorageRecord(...)`` at a third of its cost (``frozen_record``): a scan of 100,000 tensors builds
-    100,000 of them."""
-    return frozen_record(StorageRecord, {
-        "key": key, "device": device, "bytes": nbytes, "dtype": dtype, "shape": shape, "tensor_count": tensor_count,
-        "holder_kind": holder_kind, "holder_path": holder_path, "address": address, "mapped_bytes": mapped_bytes})
+def storage_records(keys: list[int], devices: Iterable[str], sizes: Iterable[int], dtypes: Iterable[str],
+                    shapes: Iterable[tuple[int, ...]], tensor_counts: Iterable[int],
+                    addresses: Iterable[int]) -> list[StorageRecord]:
+    """A ``StorageRecord`` per key (held by "other", no path), made column by column at a third of the
+    dataclass's cost (``frozen_record``'s single ``__dict__`` set, no call per record): a scan of
+    100,000 tensors makes 100,000 of them."""
+    fields = [{"key": key, "device": device, "bytes": nbytes, "dtype": dtype, "shape": shape,
+               "tensor_count": count, "holder_kind": OTHER, "holder_path": None, "address": address,
+               "mapped_bytes": 0}
+              for key, device, nbytes, dtype, shape, count, address
+              in zip(keys, devices, sizes, dtypes, shapes, tensor_counts, addresses)]
+    return list(map(frozen_record, repeat(StorageRecord), fields))
 
 
 def give_holders(fresh: dict[int, StorageRecord], holders: Mapping[int, Any]) -> tuple[StorageRecord, ...]:

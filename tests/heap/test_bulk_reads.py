@@ -23,7 +23,7 @@ from oom_magic.heap.resolve import column_form, resolve, resolve_columns
 from oom_magic.heap.names import Namer
 from oom_magic.heap.walk import Walk
 from oom_magic.records.data import frozen_record
-from oom_magic.records.snapshot import USER, StorageRecord, give_holders, storage_record
+from oom_magic.records.snapshot import USER, StorageRecord, give_holders, storage_records
 
 
 class Token:
@@ -223,11 +223,9 @@ def test_remembered_paths_join_their_column_as_they_come():
 
 
 def test_records_made_in_bulk_are_the_dataclass_records():
-    fields = dict(key=1, device="cpu", nbytes=16, dtype="float32", shape=(4,), tensor_count=2)
-    made = storage_record(**fields, address=99)
+    made, other = storage_records([1, 2], ["cpu"] * 2, [16] * 2, ["float32"] * 2, [(4,)] * 2, [2] * 2, [99, 0])
     plain = StorageRecord(1, "cpu", 16, "float32", (4,), 2, address=99)
     assert made == plain and hash(made) == hash(plain) and repr(made) == repr(plain)
-    other = storage_record(**(fields | {"key": 2}))
     given = give_holders({1: made, 2: other}, {1: Holder(USER, "x[1]", "x"), 3: Holder(USER, "gone", "gone")})
     held = dataclasses.replace(plain, holder_kind=USER, holder_path="x[1]")
     assert given == (held, StorageRecord(2, "cpu", 16, "float32", (4,), 2)) and hash(given[0]) == hash(held)
