@@ -13,7 +13,7 @@ Any doubt and the storage is searched for as on a first scan.
 A library function's default argument (``def forward(ctx, x, scale=torch.tensor(1.0))`` in peft's
 LoHa layer) is found on a first scan without that climb: one pass picks the heap's functions,
 the one whose defaults hold the tensor is found on its module by its qualified name, and is
-named so (``peft.tuners.loha.layer.HadaWeight.forward.__defaults__[2]``); a climb through the
+named so (``peft.tuners.loha.layer.HadaWeight.forward.__defaults__[0]``); a climb through the
 referrers took a full heap pass for each of its five links.
 """
 from __future__ import annotations
@@ -53,9 +53,7 @@ def still_library_held(live: LiveTensors, claimed: dict[int, Any]) -> dict[int, 
     """Storages of ``live`` still held alone by the chain remembered for them: key -> its text."""
     if not _CHAINS:
         return {}
-    views: dict[int, int] = {}
-    for key in live.storage_of.values():
-        views[key] = views.get(key, 0) + 1
+    views = _views(live)
     tensors = {id(t) for t in live.tensors}
     held: dict[int, str] = {}
     for key, (ref, ids, text) in list(_CHAINS.items()):
@@ -66,6 +64,14 @@ def still_library_held(live: LiveTensors, claimed: dict[int, Any]) -> dict[int, 
         else:
             del _CHAINS[key]
     return held
+
+
+def _views(live: LiveTensors) -> dict[int, int]:
+    """storage key -> how many of ``live``'s tensors (and bare storages) view it."""
+    views: dict[int, int] = {}
+    for key in live.storage_of.values():
+        views[key] = views.get(key, 0) + 1
+    return views
 
 
 def _holds_alone(ref: weakref.ref, ids: tuple[int, ...], tensors: set[int]) -> bool:
@@ -107,34 +113,28 @@ def held_as_defaults(live: LiveTensors, unclaimed: list[Any]) -> dict[int, str]:
     """Storages (each viewed by one tensor) that a function defined on a module or class holds as a
     default argument, found by its qualified name from its module: key -> the path, its chain
     remembered as ``remember_chain``'s."""
-    wanted = {id(t): t for t in unclaimed}
+    wanted = set(map(id, unclaimed))
     objects = gc.get_objects()
     functions = list(compress(objects, map(operator.is_, map(type, objects), repeat(types.FunctionType))))
     objects.clear()
+    views = _views(live)
     found: dict[int, str] = {}
-    try:
-        defaults = list(map(_DEFAULTS, functions))
-        kwdefaults = list(map(_KWDEFAULTS, functions))
-        for function, positional, named in zip(functions, defaults, kwdefaults):
-            if positional is not None and not wanted.keys().isdisjoint(map(id, positional)):
-                for i, value in enumerate(positional):
-                    if id(value) in wanted:
-                        _name_default(live, function, positional, value, f".__defaults__[{i}]", found)
-            if type(named) is dict and not wanted.keys().isdisjoint(map(id, dict.values(named))):
-                for name, value in dict.items(named):
-                    if id(value) in wanted:
-                        _name_default(live, function, named, value, f".__kwdefaults__[{name!r}]", found)
-    finally:
-        functions.clear()
-        defaults.clear()
-        kwdefaults.clear()
+    for function, positional, named in zip(functions, map(_DEFAULTS, functions), map(_KWDEFAULTS, functions)):
+        if positional is not None and not wanted.isdisjoint(map(id, positional)):
+            for i, value in enumerate(positional):
+                if id(value) in wanted:
+                    _name_default(live, views, function, positional, value, f".__defaults__[{i}]", found)
+        if type(named) is dict and not wanted.isdisjoint(map(id, dict.values(named))):
+            for name, value in dict.items(named):
+                if id(value) in wanted:
+                    _name_default(live, views, function, named, value, f".__kwdefaults__[{name!r}]", found)
     return found
 
 
-def _name_default(live: LiveTensors, function: Any, held_in: Any, tensor: Any, step: str,
+def _name_default(live: LiveTensors, views: dict[int, int], function: Any, held_in: Any, tensor: Any, step: str,
                   found: dict[int, str]) -> None:
     key = live.storage_of.get(id(tensor))
-    if key is None or key in found or sum(1 for k in live.storage_of.values() if k == key) != 1:
+    if key is None or key in found or views.get(key) != 1:
         return
     place = _defined_at(function)
     if place is None:
@@ -177,10 +177,5 @@ def _defined_at(function: Any) -> tuple[Any, list[Any], str] | None:
 
 
 def _real_dict(cls: type) -> dict[str, Any] | None:
-    """A class's own namespace dict (``cls.__dict__`` is a read-only proxy of it): its referent."""
-    proxy = type_dict(cls)
-    for referent in gc.get_referents(cls):
-        if type(referent) is dict and len(referent) == len(proxy) and all(
-                dict.get(referent, name, MISSING) is value for name, value in proxy.items()):
-            return referent
-    return None
+    """A class's own namespace dict: what its ``__dict__`` proxy refers to."""
+    return next((r for r in gc.get_referents(type_dict(cls)) if type(r) is dict), None)

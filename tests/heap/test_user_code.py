@@ -66,7 +66,7 @@ def user_modules(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(folder))
     monkeypatch.syspath_prepend(str(library))
     yield folder
-    for name in ("mymod", "libmod"):
+    for name in ("mymod", "libmod", "libfuncs"):
         sys.modules.pop(name, None)
 
 
