@@ -194,7 +194,8 @@ class OomMagics(Magics):
         if top < 0:
             raise UsageError(f"--top must be 0 or more, not {top}")
         try:
-            snap = snapshot(args.device, roots=collect_roots(self.shell), top=top, name_kernels=True)
+            with self.cell_watch.watcher.own_scan():  # what the scan keeps resident is not the cell's
+                snap = snapshot(args.device, roots=collect_roots(self.shell), top=top, name_kernels=True)
         except OomMagicError as exc:
             raise UsageError(str(exc)) from None
         snap = replace(snap, view="json") if args.json else snap

@@ -29,6 +29,11 @@ what ``torch.cuda.max_memory_allocated()`` tells the user). If the mark rose dur
 new mark is the cell's peak; if it did not rise and equals the higher of the levels before and
 after, that is the peak; otherwise the cell's peak is unknown (None).
 
+Our own scans: ``%gpumem`` run inside a cell reads the resident set around its scan
+(``Watcher.own_scan``), and what the scan left resident (the walk's freed lists the C heap keeps,
+the storage objects PyTorch keeps once read) is taken off that cell's cpu change: the cell's
+figure is what the user's code did, not the report they asked for.
+
 ``%%guardload`` cells: the guard engine calls ``mark_cell(label, oom=...)`` while its cell runs;
 the record of that cell carries the label (the timeline writes it) and, with ``oom=True``, counts
 as an out-of-memory cell even when the guard recovered (the widget is shown for it).
@@ -46,6 +51,8 @@ import re
 import sys
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from itertools import islice
 from types import ModuleType
@@ -124,6 +131,7 @@ class Watcher:
         self._pending_label: str | None = None
         self._pending_oom = False
         self._pending_peak: tuple[int, str] | None = None  # (bytes, 'resident' | 'allocated') the guard measured
+        self._own_resident = 0  # resident bytes our own scans added during the running cell
         self._rss = _ResidentSet()
         self._bound = _BoundTensors()
         self._mps: bool | None = None
@@ -164,6 +172,7 @@ class Watcher:
         label, self._pending_label = self._pending_label, None
         forced_oom, self._pending_oom = self._pending_oom, False
         measured, self._pending_peak = self._pending_peak, None
+        own, self._own_resident = self._own_resident, 0
         if torch is None:
             return None
         after = self._probe(torch)
@@ -175,6 +184,8 @@ class Watcher:
             before = Probe(after.device, 0, 0, 0) if came_up else None
         threshold = thresholds.for_device(after.device)
         delta = _diff(after.level, before.level) if before is not None else None
+        if delta is not None and after.device == "cpu":
+            delta -= own  # what our own scans kept resident is not the cell's
         reasons: list[ChangeReason] = []
         if before is not None:
             if after.device == "cpu":
@@ -218,6 +229,17 @@ class Watcher:
         self._pending_oom = self._pending_oom or bool(oom)
         if peak is not None:
             self._pending_peak = peak
+
+    @contextmanager
+    def own_scan(self) -> Iterator[None]:
+        """Run one of our own scans inside the running cell: the resident set it grows by is not the cell's."""
+        before = self._rss.current()
+        try:
+            yield
+        finally:
+            after = self._rss.current()
+            if before is not None and after is not None and after > before:
+                self._own_resident += after - before
 
     def note_scan(self, snap: Snapshot, record: CellRecord | None = None) -> CellRecord | None:
         """Store the tensor bytes a scan after a cell found in that cell's record (default: the last)."""

@@ -331,3 +331,23 @@ def test_a_guards_own_peak_stands_in_when_it_reset_the_high_water_mark() -> None
     w.before_cell()
     w.mark("%%guardload", peak=(700 * MiB, "allocated"))  # another measure than this device's: not used
     assert w.after_cell(3, None, {}).record.peak is None
+
+
+def test_what_our_own_scan_keeps_resident_is_not_the_cells_change() -> None:
+    """Pages touched inside ``own_scan`` (a %gpumem in the cell) are taken off the cell's resident
+    change; the same pages touched by the cell's own code count."""
+    w = Watcher()
+    ns: dict = {}
+    w.after_cell(1, None, ns)
+    kept: list[bytes] = []
+
+    def scan_that_keeps_pages() -> None:
+        with w.own_scan():
+            kept.append(b"x" * (64 * MiB))  # written: resident, as a scan's freed lists stay in the C heap
+
+    ours = run_cell(w, 2, ns, scan_that_keeps_pages)
+    assert ours.delta is not None and abs(ours.delta) < 16 * MiB and "rss" not in ours.reasons
+    users = run_cell(w, 3, ns, lambda: kept.append(b"y" * (64 * MiB)))
+    assert users.delta is not None and users.delta >= 60 * MiB and "rss" in users.reasons
+    after = run_cell(w, 4, ns)
+    assert abs(after.delta) < 16 * MiB  # the discount is the one cell's alone
