@@ -10,7 +10,9 @@ alone holds it (most of a heap) can be reached no other way: it is kept with no 
 A slice's children are read into one flat list (exact builtin containers, dict values and
 namedtuples through their own C iterators, other objects through ``gc.get_referents``), its atoms
 (ints, strings: untracked) dropped before any other read, and a child's parent is found back from
-its position in that list (``children.Parents``) only for the objects being named.
+its position in that list (``children.Parents``) only for the objects being named. Records
+(instances of classes written in Python, ``kinds.RECORD``) are read without their class, which
+their traversal visits last and the walk never enters: a slice of one class in one call.
 
 Never entered: modules, classes, code, builtin functions and descriptors; a function is entered
 through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
@@ -39,35 +41,14 @@ from collections.abc import Iterable
 
 from ..records.snapshot import HolderKind
 from .children import ONCE_ITERATED, ONCE_LISTED, Parents
-from .reads import array_items, deque_type, function_dict, mro_has, type_dict, type_mro
+from .kinds import (DICT, DICT_ID, DICT_OFFSET, FRAME, FUNCTION, GENERIC, LATER, NDARRAY, RECORD, ROW, SEQ, TIE_ORDER,
+                    classify, later_types)
+from .reads import array_items, function_dict, mro_has
 
-# What the walk does with an object, decided once per type (by the type's id; ``classify``).
-# Plain ints compared with ==: the dispatch runs once per kind present in a slice, and
-# ``compress(level, map(kind.__eq__, kinds))`` selects each kind's objects in one C-level pass.
-GENERIC = 0   # its gc.get_referents
-DICT = 1      # its values (keys after everything else, when any is tracked)
-FUNCTION = 2  # closure, defaults and __dict__ (never __globals__)
-FRAME = 3     # its locals
-NDARRAY = 4   # an object array's items
-SKIP = 5      # never entered: modules, classes, code, builtins, descriptors
-LATER = 6     # walked after every other object of its level is done (see _later_types)
-SEQ = 7       # an exact builtin list, tuple, set, frozenset or deque
-ROW = 8       # a tuple subclass with no fields of its own (a namedtuple): its items
-_TIE_ORDER = {DICT: 0, SEQ: 1, ROW: 2, FRAME: 3, FUNCTION: 4, NDARRAY: 5, GENERIC: 6, LATER: 7, SKIP: 8}
-# A type's own layout, read through ``type``'s descriptors (no metaclass code runs).
-_BASICSIZE = type.__dict__["__basicsize__"].__get__
-_DICTOFFSET = type.__dict__["__dictoffset__"].__get__
-_DICT_ID = id(dict)
 # Bulk passes work on this many parents at a time, so one huge container cannot overrun a deadline.
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
 NARROW = 4
-
-
-_SKIP_TYPES = (types.ModuleType, types.CodeType, types.BuiltinFunctionType, types.MethodWrapperType,
-               types.WrapperDescriptorType, types.MethodDescriptorType, types.GetSetDescriptorType,
-               types.MemberDescriptorType, types.ClassMethodDescriptorType, property, staticmethod,
-               classmethod, types.MappingProxyType)
 
 
 class Root:
@@ -79,56 +60,11 @@ class Root:
         self.kind, self.name = kind, name
 
 
-def classify(cls: type, ndarray: type | None, later: tuple[type, ...] = ()) -> int:
-    """Which branch of the walk handles instances of ``cls``."""
-    if cls is dict:
-        return DICT
-    if cls is list or cls is tuple or cls is set or cls is frozenset or cls is deque_type():
-        return SEQ  # exact builtin containers: len() and iteration are their own C code
-    if cls is types.FunctionType:
-        return FUNCTION
-    if cls is types.FrameType:
-        return FRAME
-    try:
-        mro = type_mro(cls)
-    except Exception:
-        return SKIP
-    for base in mro:
-        if base is type or any(base is s for s in _SKIP_TYPES):
-            return SKIP
-    if ndarray is not None and any(k is ndarray for k in mro):
-        return NDARRAY
-    if any(k is dict for k in mro):
-        return DICT
-    if any(k is tuple for k in mro) and _DICTOFFSET(cls) == 0 and _BASICSIZE(cls) == _BASICSIZE(tuple) \
-            and _no_hidden_fields(cls):
-        return ROW  # gc.get_referents would add only its class, which is never entered
-    if later and any(k is base for k in mro for base in later):
-        return LATER
-    return GENERIC
-
-
 def _beside_items(mapping: dict) -> list[Any]:
     """What a dict subclass's traversal reaches besides its keys and values: its attributes (or the
     attribute dict it already has), its class, a defaultdict's factory."""
     items = set(map(id, dict.values(mapping))) | set(map(id, dict.keys(mapping)))
     return [ref for ref in gc.get_referents(mapping) if id(ref) not in items]
-
-
-def _no_hidden_fields(cls: type) -> bool:
-    """A struct sequence (os.stat_result) keeps fields past its length, which only its traversal reaches."""
-    try:
-        own = type_dict(cls)
-        return own.get("n_fields", 0) == own.get("n_sequence_fields", 0)
-    except Exception:
-        return False
-
-
-def _later_types() -> tuple[type, ...]:
-    """Holders whose paths a user recognises less than a model's: an optimizer holds the parameters too."""
-    optim = sys.modules.get("torch.optim")
-    optimizer = getattr(optim, "Optimizer", None) if optim is not None else None
-    return (optimizer,) if isinstance(optimizer, type) else ()
 
 
 class Walk:
@@ -176,7 +112,7 @@ class Walk:
         self._later: list[Any] = []  # reached optimizers, entered once everything else is walked
         self._wrapper_dicts: set[int] = set()  # ids of functools.wraps wrappers' __dict__s (entered last)
         self._big: list[Any] = []  # containers too big to read in one pass, read in slices
-        self._later_types = _later_types()
+        self._later_types = later_types()
 
     # -- walking -------------------------------------------------------------------------------
     def start(self, kind: HolderKind, roots: Iterable[tuple[str, object]]) -> None:
@@ -242,6 +178,7 @@ class Walk:
         """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
         passes cost microseconds per level whatever its width, a 200,000-deep chain seconds."""
         visited, cats, is_tracked, nd_id = self.visited, self._cats, gc.is_tracked, self._nd_id
+        wanted_ids, collect, plain = self._wanted_ids, self.collect, (GENERIC, RECORD)
         seg_ids: list[int] = []
         seg_parents: list[Any] = []
 
@@ -249,13 +186,17 @@ class Walk:
             nonlocal seg_ids, seg_parents
             if seg_ids:
                 self._segments.append((seg_ids, seg_parents, True))
+                self.nodes += len(seg_ids)
                 seg_ids, seg_parents = [], []
 
         steps = 0
+        # Per object as little as can be: nodes are counted per segment, and whether the walk is
+        # done is asked only after a wanted tensor was met (a 200,000-node list asks 500 times).
         while level and len(level) <= NARROW:
             following: list[Any] = []
+            met_wanted = False
             for obj in level:
-                kids = gc.get_referents(obj) if cats.get(id(type(obj))) == GENERIC else None
+                kids = gc.get_referents(obj) if cats.get(id(type(obj))) in plain else None
                 if kids is None or len(kids) > 64:  # not a plain object, or a big one: the bulk passes
                     flush()  # they append segments of their own: keep parents first
                     kids, parents, once = self._expand([obj])
@@ -269,17 +210,19 @@ class Walk:
                         seg_ids.append(kid_id)
                         seg_parents.append(obj)
                         following.append(kid)
-                        self.nodes += 1
-                        if kid_id in self._wanted_ids:
+                        if kid_id in wanted_ids:
                             self._note_wanted((kid_id,))
-                        if self.collect is not None and id(type(kid)) in self.collect:
+                            met_wanted = True
+                        if collect is not None and id(type(kid)) in collect:
                             self.met.append(kid)
             level = following
             steps += 1
-            if steps & 255 == 0 and (self._out_of_budget() or self.done):
+            if met_wanted and self.done:
                 break
-            if self.done:
-                break
+            if steps & 255 == 0:
+                flush()
+                if self._out_of_budget():
+                    break
         flush()
         return level
 
@@ -383,12 +326,14 @@ class Walk:
         parents = Parents()
         once: list[bool] = []
         # Ties go to what is named by a key or index: a dict's values before generic referents.
-        for what in sorted(present, key=_TIE_ORDER.__getitem__):
+        for what in sorted(present, key=TIE_ORDER.__getitem__):
             objs = level if len(present) == 1 else list(compress(level, map(what.__eq__, kinds)))
             if what == LATER and defer:
                 self._later.extend(objs)
             elif what == GENERIC or what == LATER:
                 self._extend_listed(kids, parents, once, objs, list(map(gc.get_referents, objs)))
+            elif what == RECORD:
+                self._extend_records(kids, parents, once, objs, [t for t in present_types if cats[t] == RECORD])
             elif what == SEQ:
                 if max(map(len, objs)) > SLICE:  # a huge container is read a slice at a time, on the clock
                     self._big.extend(o for o in objs if len(o) > SLICE)
@@ -407,8 +352,8 @@ class Walk:
                         continue
                 # A dict subclass's own attributes (`c.t` on a `class Cfg(dict)`): whatever its traversal
                 # reaches besides its items, never an attribute dict made for the asking.
-                owned = [d for d in objs if type(d) is not dict and _DICTOFFSET(type(d)) != 0] \
-                    if any(t != _DICT_ID and cats[t] == DICT for t in present_types) else []
+                owned = [d for d in objs if type(d) is not dict and DICT_OFFSET(type(d)) != 0] \
+                    if any(t != DICT_ID and cats[t] == DICT for t in present_types) else []
                 if owned:
                     self._extend_listed(kids, parents, once, owned, list(map(_beside_items, owned)))
                 if max(map(dict.__len__, objs)) > SLICE:
@@ -431,6 +376,40 @@ class Walk:
             elif what == NDARRAY:
                 self._extend_listed(kids, parents, once, objs, [array_items(a, self.ndarray) for a in objs])
         return kids, parents, once
+
+    def _extend_records(self, kids: list[Any], parents: Parents, once: list[bool], objs: list[Any],
+                        classes: list[int]) -> None:
+        """``_extend`` for records (instances of classes defined in Python: their traversal ends with
+        their class, never entered). Records of one class with as many referents each (a list of
+        one dataclass) are read in one ``gc.get_referents`` call, no list per record: the class
+        found exactly once in each record's place, at its end and nowhere else, proves the split."""
+        if len(classes) == 1:
+            flat = gc.get_referents(*objs)
+            count, cls = len(objs), type(objs[0])
+            each = len(flat) // count
+            if each and len(flat) == each * count and all(map(operator.is_, flat[each - 1::each], repeat(cls))) \
+                    and sum(map(operator.is_, flat, repeat(cls))) == count:
+                del flat[each - 1::each]
+                self.visited.update(classes)
+                self._extend(kids, parents, once, objs, flat, repeat(each - 1, count), ONCE_ITERATED)
+                return
+            del flat
+        lists = list(map(gc.get_referents, objs))
+        self._drop_classes(objs, lists, classes)
+        self._extend_listed(kids, parents, once, objs, lists)
+
+    def _drop_classes(self, objs: list[Any], lists: list[list[Any]], classes: list[int]) -> None:
+        """Take each record's class off the end of its referents (a class is never entered, and it
+        was half of what a level of records reached); ``classes``: the records' type ids, reached.
+        Where a class's traversal does not end with the class, it is put back and walked as GENERIC."""
+        if not all(lists):
+            return
+        last = list(map(list.pop, lists))
+        if all(map(operator.is_, last, map(type, objs))):
+            self.visited.update(classes)
+            return
+        list(map(list.append, lists, last))
+        self._cats.update(zip(classes, repeat(GENERIC)))
 
     def _defer_keys(self, dicts: list[Any]) -> None:
         """Queue the tracked keys of these dicts: walked after every value (an optimizer's state keys)."""
