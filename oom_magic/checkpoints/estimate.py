@@ -298,20 +298,32 @@ def _bytes_for(sizes: _Sizes, dtype: str, double_quant: bool, unquantized_dtype:
 
 def _is_floating(dtype: str) -> bool:
     """Say whether a load dtype would cast this stored dtype (torch's is_floating_point)."""
-    return dtype == _UNKNOWN or is_floating(dtype)
+    known = _FLOATING.get(dtype)
+    if known is None:  # a checkpoint's hundreds of tensors share a dtype or two: decided once each
+        known = _FLOATING[dtype] = dtype == _UNKNOWN or is_floating(dtype)
+    return known
+
+
+_FLOATING: dict[str, bool] = {}
 
 
 def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
-    """Guess from a tensor's name and shape whether bitsandbytes would quantize it (see bytes_for)."""
+    """Guess from a tensor's name and shape whether bitsandbytes would quantize it (see bytes_for):
+    a 2-d ``.weight`` of no head, embedding or norm module. Searched in the module path as one string
+    (no module name holds a dot), split into names only where an embedding's name appears in it."""
     if len(shape) != 2 or not name.endswith(".weight"):
         return False
-    modules = name.lower().split(".")[:-1]
-    if not modules or modules[-1] in _HEAD_MODULES:
+    modules = name[:-7].lower()
+    if modules.rpartition(".")[2] in _HEAD_MODULES:
         return False
-    for part in modules:
-        if "embed" in part or "norm" in part or part.startswith("ln") or part in _EMBEDDING_MODULES:
-            return False
-    return True
+    if _NOT_LINEAR.search(modules) is not None:
+        return False
+    return _EMBEDDING_TEXT.search(modules) is None or _EMBEDDING_MODULES.isdisjoint(modules.split("."))
+
+
+# A module named with "embed" or "norm" in it, or starting "ln"; an embedding's name anywhere in the path.
+_NOT_LINEAR = re.compile(r"embed|norm|(?:^|\.)ln")
+_EMBEDDING_TEXT = re.compile("|".join(sorted(_EMBEDDING_MODULES)))
 
 
 def _summarize(stored: Iterable[_Stored]) -> _Sizes:
@@ -351,10 +363,14 @@ def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
 
 def _tensor(dtype: str, name: str, shape: tuple[int, ...], elements: int, nbytes: int) -> _Stored:
     """A named stored tensor, marked quantizable when it looks like a Linear weight."""
-    linear = ((elements, shape[0]),) if _is_floating(dtype) and is_linear_weight(name, shape) else ()
-    expert = _is_floating(dtype) and _EXPERT.search(name) is not None
+    floating = _FLOATING.get(dtype)
+    if floating is None:
+        floating = _is_floating(dtype)
+    linear = ((elements, shape[0]),) if floating and is_linear_weight(name, shape) else ()
+    expert = floating and "experts." in name and _EXPERT.search(name) is not None
     layer = _LAYER.search(name) if expert else None
-    return _Stored(dtype, elements, nbytes, linear, expert, int(layer.group(1)) if layer else None)
+    # tuple.__new__: a 70B checkpoint's 723 tensors skip the namedtuple's Python-level __new__
+    return tuple.__new__(_Stored, (dtype, elements, nbytes, linear, expert, int(layer.group(1)) if layer else None, False))
 
 
 # --------------------------------------------------------------------------- dispatch
