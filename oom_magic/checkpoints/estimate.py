@@ -309,21 +309,16 @@ _FLOATING: dict[str, bool] = {}
 
 def is_linear_weight(name: str, shape: tuple[int, ...]) -> bool:
     """Guess from a tensor's name and shape whether bitsandbytes would quantize it (see bytes_for):
-    a 2-d ``.weight`` of no head, embedding or norm module. Searched in the module path as one string
-    (no module name holds a dot), split into names only where an embedding's name appears in it."""
-    if len(shape) != 2 or not name.endswith(".weight"):
-        return False
-    modules = name[:-7].lower()
-    if modules.rpartition(".")[2] in _HEAD_MODULES:
-        return False
-    if _NOT_LINEAR.search(modules) is not None:
-        return False
-    return _EMBEDDING_TEXT.search(modules) is None or _EMBEDDING_MODULES.isdisjoint(modules.split("."))
+    a 2-d ``.weight`` of no head, embedding or norm module, in one search of the lower-cased name."""
+    return len(shape) == 2 and name.endswith(".weight") and _NOT_QUANTIZED.search(name.lower()) is None
 
 
-# A module named with "embed" or "norm" in it, or starting "ln"; an embedding's name anywhere in the path.
-_NOT_LINEAR = re.compile(r"embed|norm|(?:^|\.)ln")
-_EMBEDDING_TEXT = re.compile("|".join(sorted(_EMBEDDING_MODULES)))
+# Where the name (lower-cased, ending ".weight") says a module stays as it is: "embed" or "norm" in a
+# module's name, a module named "ln..." or an embedding's name, or a head as the last module.
+_NOT_QUANTIZED = re.compile(
+    r"embed|norm|(?:^|\.)(?:ln|(?:" + "|".join(sorted(_EMBEDDING_MODULES)) + r")\.|(?:"
+    + "|".join(sorted(_HEAD_MODULES)) + r")\.weight$)"
+)
 
 
 def _summarize(stored: Iterable[_Stored]) -> _Sizes:

@@ -281,6 +281,8 @@ def read_index(index: Path) -> dict[str, str]:
 
 def _inside(folder: Path, name: str, index_name: str) -> Path:
     """Join a shard name to its folder, refusing names that leave it (absolute, '..')."""
+    if "/" not in name and "\\" not in name and ":" not in name and name not in ("", ".", ".."):
+        return folder / name  # a plain file name, as every hub checkpoint's shards are
     parts = PurePosixPath(name.replace("\\", "/")).parts
     if not parts or name.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
         raise OomMagicError(f"{index_name}: shard name {name!r} points outside the checkpoint folder")
