@@ -33,7 +33,9 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
 
     ``heap_scan=False`` is the quick view the after-cell hook uses on big heaps: only what the
     user's variables, the output cache and stored tracebacks reach is found (no ``gc`` pass), so
-    garbage and library-held tensors are left out, and a note says so. ``name_kernels`` asks this
+    garbage and library-held tensors are left out, and a note says so. Its ``budget_seconds`` counts
+    from the call (the device's reading comes out of it); the walk gets what is left, at least
+    ``QUICK_WALK_FLOOR_SECONDS``. ``name_kernels`` asks this
     user's Jupyter servers which notebooks the other processes on the device belong to (%gpumem).
     """
     started = time.perf_counter()
@@ -61,7 +63,9 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
             live.release()
             raise
     else:
-        live, attribution = attribute_reachable(roots, torch, types, where, budget_seconds=budget_seconds)
+        left = budget_seconds - (time.perf_counter() - started)
+        live, attribution = attribute_reachable(roots, torch, types, where,
+                                                budget_seconds=max(left, QUICK_WALK_FLOOR_SECONDS))
     try:
         holders = attribution.holders
         storages = give_holders(live.storages, holders)  # this scan's own records: none shared yet
@@ -133,6 +137,8 @@ def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[Storage
                                     process_file_resident())
 
 
+# The quick view's walk always gets this long, however little of its budget the reading left.
+QUICK_WALK_FLOOR_SECONDS = 0.01
 _ADDRESS, _BYTES, _KIND, _HINT = (attrgetter(name) for name in ("address", "bytes", "holder_kind", "hint"))
 _UNCHANGED_NOTE = ("the allocator's allocation and free counts have not moved since the last scan: its storages' "
                    "remembered paths were re-checked, with no heap pass")

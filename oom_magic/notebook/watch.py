@@ -64,6 +64,7 @@ from ..records.cell import (CPU_THRESHOLD, GPU_THRESHOLD, CellChange, CellRecord
                            Thresholds, WatchStatus)
 from ..records.snapshot import Snapshot
 from ..heap.roots import is_user_name
+from ..heap.snapshot import QUICK_WALK_FLOOR_SECONDS
 
 __all__ = ["CPU_THRESHOLD", "GPU_THRESHOLD", "CellChange", "CellRecord", "CellReport", "Probe", "Thresholds",
            "WatchStatus", "Watcher", "cell_peak", "mark_cell"]
@@ -491,7 +492,7 @@ class ScanCost:
 
 
 # The quick view's walk always gets this long, however little of the hook's budget is left.
-MIN_WALK_SECONDS = 0.01
+MIN_WALK_SECONDS = QUICK_WALK_FLOOR_SECONDS
 
 
 def _reserve(old: float, new: float) -> float:

@@ -17,7 +17,7 @@ from oom_magic.device.reading import DeviceReading
 from oom_magic.device.processes import ProcessInfo
 from oom_magic.heap.snapshot import Snapshot
 from oom_magic.heap.tracker import StorageRecord
-from oom_magic.notebook.watch import CellChange, CellRecord, CellReport, Probe
+from oom_magic.notebook.watch import MIN_WALK_SECONDS, CellChange, CellRecord, CellReport, Probe
 from oom_magic.notebook.widget import WIDGET_VIEW_MIME, CellWatch, MemoryWidget
 
 MiB = 1 << 20
@@ -338,6 +338,64 @@ def test_over_its_budget_the_hook_shows_the_quick_view_and_says_so(ip, watch, he
     for engine_words in ("allocated blocks", "budget of", "heap scan", "holder walk"):
         assert engine_words not in " ".join(snap.notes)
     assert "%gpumem has the full picture." in widget.details_body.value
+
+
+def test_the_quick_view_learns_what_collecting_the_roots_costs(ip, watch, heap_passes, monkeypatch) -> None:
+    """What a quick view costs past its walk is learnt from the hook's clock, so the roots' collection
+    (before the snapshot starts its own) is kept free for the next cell: here a collection that moves
+    a stand-in clock by 30 ms (the spy below: the real roots are still collected)."""
+    import types
+
+    import oom_magic.notebook.widget as widget_module
+
+    clock = [0.0]
+    real_clock = widget_module.time.perf_counter
+    monkeypatch.setattr(widget_module, "time", types.SimpleNamespace(perf_counter=lambda: real_clock() + clock[0]))
+    real_roots = widget_module.collect_roots
+
+    def slow_roots(*args, **kwargs):
+        clock[0] += 0.030
+        return real_roots(*args, **kwargs)
+
+    monkeypatch.setattr(widget_module, "collect_roots", slow_roots)
+    ip.run_line_magic("config", "OomMagics.hook_budget_ms = 0")
+    run(ip, "kept = torch.ones(16 << 20)")
+    assert heap_passes == [] and not watch.live[-1].report.snapshot.heap_scan  # the quick view ran
+    # The walk was given its floor (no budget is left at 0 ms); all past it is kept free next time.
+    assert watch.scan_cost.after_walk_seconds >= 0.030 - MIN_WALK_SECONDS
+
+
+def test_a_quick_view_s_budget_counts_its_reading(monkeypatch) -> None:
+    """The quick view's budget runs from the call: a device reading that takes 40 ms of a 50 ms budget leaves
+    the walk 10 ms (a stand-in clock the spy reading moves; the real reading and walk still run), and one
+    that takes it all leaves the walk its floor."""
+    import sys
+    import types
+
+    import torch
+
+    from oom_magic.heap.roots import collect_roots
+    from oom_magic.heap.snapshot import QUICK_WALK_FLOOR_SECONDS, snapshot
+
+    snapshot_module = sys.modules["oom_magic.heap.snapshot"]  # the package's `snapshot` is the function
+    clock = [0.0]
+    monkeypatch.setattr(snapshot_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_read, real_walk = snapshot_module.read_device, snapshot_module.attribute_reachable
+    given: list[float] = []
+
+    def slow_read(*args, **kwargs):
+        clock[0] += taken
+        return real_read(*args, **kwargs)
+
+    def spy_walk(*args, budget_seconds, **kwargs):
+        given.append(budget_seconds)
+        return real_walk(*args, budget_seconds=budget_seconds, **kwargs)
+
+    monkeypatch.setattr(snapshot_module, "read_device", slow_read)
+    monkeypatch.setattr(snapshot_module, "attribute_reachable", spy_walk)
+    for taken in (0.040, 0.080):
+        snapshot("cpu", roots=collect_roots(namespace={"x": torch.ones(4)}), heap_scan=False, budget_seconds=0.050)
+    assert given == pytest.approx([0.010, QUICK_WALK_FLOOR_SECONDS])
 
 
 def test_the_quick_view_misses_garbage_and_the_button_still_frees_it(ip, watch, heap_passes) -> None:
