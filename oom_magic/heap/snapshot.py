@@ -35,8 +35,8 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     user's variables, the output cache and stored tracebacks reach is found (no ``gc`` pass), so
     garbage and library-held tensors are left out, and a note says so. Its ``budget_seconds`` counts
     from the call (the device's reading comes out of it); the walk gets what is left, at least
-    ``QUICK_WALK_FLOOR_SECONDS``. ``name_kernels`` asks this
-    user's Jupyter servers which notebooks the other processes on the device belong to (%gpumem).
+    ``QUICK_WALK_FLOOR_SECONDS``. ``name_kernels`` asks this user's Jupyter servers which notebooks
+    the other processes on the device belong to (%gpumem).
     """
     started = time.perf_counter()
     where = resolve_device(device, nvml)
