@@ -358,9 +358,7 @@ def _dtype_census(stored: Iterable[_Stored]) -> tuple[tuple[str, int], ...]:
 
 def _tensor(dtype: str, name: str, shape: tuple[int, ...], elements: int, nbytes: int) -> _Stored:
     """A named stored tensor, marked quantizable when it looks like a Linear weight."""
-    floating = _FLOATING.get(dtype)
-    if floating is None:
-        floating = _is_floating(dtype)
+    floating = _is_floating(dtype)
     linear = ((elements, shape[0]),) if floating and is_linear_weight(name, shape) else ()
     expert = floating and "experts." in name and _EXPERT.search(name) is not None
     layer = _LAYER.search(name) if expert else None

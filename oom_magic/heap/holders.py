@@ -150,8 +150,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
         [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     known: dict[int, list[Any]] = {}  # the garbage search's referrers, climbed again by the chains
     try:
-        if unclaimed and (find_garbage or trace_other) and \
-                len({live.storage_of[id(t)] for t in unclaimed}) <= _CHAINS_REMEMBERED:
+        if unclaimed and (find_garbage or trace_other) and _few_storages(live, unclaimed):
             # A library function's default argument: one pass over the functions, not a climb of five.
             for key, text in held_as_defaults(live, unclaimed).items():
                 holders.setdefault(key, Holder(OTHER, text, "library"))
@@ -163,7 +162,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
         if unclaimed and trace_other:
             for key, path in _referrer_chains(live, unclaimed, known=known).items():
                 holders.setdefault(key, Holder(OTHER, path, "referrers"))
-        elif unclaimed and find_garbage and len({live.storage_of[id(t)] for t in unclaimed}) <= _CHAINS_REMEMBERED:
+        elif unclaimed and find_garbage and _few_storages(live, unclaimed):
             # A few library-held storages (a Function's default argument): their chains, climbed from
             # the search's referrers and remembered, spare every later cleanup its garbage search.
             _referrer_chains(live, unclaimed, known=known)
@@ -200,6 +199,11 @@ def _traceback_parts(objects: list[Any]) -> list[Any]:
         except Exception:
             continue
     return list(found.values())
+
+
+def _few_storages(live: LiveTensors, tensors: list[Any]) -> bool:
+    """Whether these tensors view few enough storages for a chain each to be found and remembered."""
+    return len({live.storage_of[id(t)] for t in tensors}) <= _CHAINS_REMEMBERED
 
 
 def _reached(walk: Walk, objects: list[Any]) -> set[int]:

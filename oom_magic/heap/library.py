@@ -23,6 +23,7 @@ import operator
 import sys
 import types
 import weakref
+from collections import Counter
 from itertools import compress, repeat
 from typing import Any
 
@@ -66,12 +67,9 @@ def still_library_held(live: LiveTensors, claimed: dict[int, Any]) -> dict[int, 
     return held
 
 
-def _views(live: LiveTensors) -> dict[int, int]:
+def _views(live: LiveTensors) -> Counter[int]:
     """storage key -> how many of ``live``'s tensors (and bare storages) view it."""
-    views: dict[int, int] = {}
-    for key in live.storage_of.values():
-        views[key] = views.get(key, 0) + 1
-    return views
+    return Counter(live.storage_of.values())
 
 
 def _holds_alone(ref: weakref.ref, ids: tuple[int, ...], tensors: set[int]) -> bool:
@@ -131,7 +129,7 @@ def held_as_defaults(live: LiveTensors, unclaimed: list[Any]) -> dict[int, str]:
     return found
 
 
-def _name_default(live: LiveTensors, views: dict[int, int], function: Any, held_in: Any, tensor: Any, step: str,
+def _name_default(live: LiveTensors, views: Counter[int], function: Any, held_in: Any, tensor: Any, step: str,
                   found: dict[int, str]) -> None:
     key = live.storage_of.get(id(tensor))
     if key is None or key in found or views.get(key) != 1:

@@ -475,7 +475,7 @@ class ScanCost:
         """None when a full scan and the widget fit in the ``left`` seconds; else the quick view's walk time."""
         if self.predict(blocks) <= left - self.widget_seconds:
             return None
-        return max(left - self.widget_seconds - self.after_walk_seconds, MIN_WALK_SECONDS)
+        return max(left - self.widget_seconds - self.after_walk_seconds, QUICK_WALK_FLOOR_SECONDS)
 
     def learn(self, seconds: float, blocks: int) -> None:
         """Fold one measured full scan into the rate."""
@@ -489,10 +489,6 @@ class ScanCost:
     def learn_quick_view(self, seconds: float, walk: float) -> None:
         """Fold in what a quick view cost past the ``walk`` seconds it was given."""
         self.after_walk_seconds = _reserve(self.after_walk_seconds, max(seconds - walk, 0.0))
-
-
-# The quick view's walk always gets this long, however little of the hook's budget is left.
-MIN_WALK_SECONDS = QUICK_WALK_FLOOR_SECONDS
 
 
 def _reserve(old: float, new: float) -> float:

@@ -15,9 +15,9 @@ from IPython.utils.capture import capture_output
 
 from oom_magic.device.reading import DeviceReading
 from oom_magic.device.processes import ProcessInfo
-from oom_magic.heap.snapshot import Snapshot
+from oom_magic.heap.snapshot import QUICK_WALK_FLOOR_SECONDS, Snapshot
 from oom_magic.heap.tracker import StorageRecord
-from oom_magic.notebook.watch import MIN_WALK_SECONDS, CellChange, CellRecord, CellReport, Probe
+from oom_magic.notebook.watch import CellChange, CellRecord, CellReport, Probe
 from oom_magic.notebook.widget import WIDGET_VIEW_MIME, CellWatch, MemoryWidget
 
 MiB = 1 << 20
@@ -362,7 +362,7 @@ def test_the_quick_view_learns_what_collecting_the_roots_costs(ip, watch, heap_p
     run(ip, "kept = torch.ones(16 << 20)")
     assert heap_passes == [] and not watch.live[-1].report.snapshot.heap_scan  # the quick view ran
     # The walk was given its floor (no budget is left at 0 ms); all past it is kept free next time.
-    assert watch.scan_cost.after_walk_seconds >= 0.030 - MIN_WALK_SECONDS
+    assert watch.scan_cost.after_walk_seconds >= 0.030 - QUICK_WALK_FLOOR_SECONDS
 
 
 def test_a_quick_view_s_budget_counts_its_reading(monkeypatch) -> None:
@@ -375,7 +375,7 @@ def test_a_quick_view_s_budget_counts_its_reading(monkeypatch) -> None:
     import torch
 
     from oom_magic.heap.roots import collect_roots
-    from oom_magic.heap.snapshot import QUICK_WALK_FLOOR_SECONDS, snapshot
+    from oom_magic.heap.snapshot import snapshot
 
     snapshot_module = sys.modules["oom_magic.heap.snapshot"]  # the package's `snapshot` is the function
     clock = [0.0]
