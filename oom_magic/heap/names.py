@@ -15,9 +15,9 @@ from typing import Any
 from collections.abc import Callable, Iterable
 
 from .walk import Root, Walk
-from .reads import (MISSING, array_items, attribute_reader, deque_iter, deque_type, find_referent, instance_attributes,
-                         instance_dict_if_present, is_plain_key, mapping_items, mro_has, plain_dict_slot, qualname,
-                         read_attribute, type_mro, type_name)
+from .reads import (MISSING, array_items, attribute_getter, attribute_reader, deque_iter, deque_type, find_referent,
+                    instance_attributes, instance_dict_if_present, is_plain_key, mapping_items, mro_has,
+                    plain_dict_slot, qualname, type_mro, type_name)
 
 # A suspended generator's (coroutine's) frame, read through its type's own getter.
 _GEN_FRAME = {types.GeneratorType: "gi_frame", types.CoroutineType: "cr_frame", types.AsyncGeneratorType: "ag_frame"}
@@ -60,9 +60,11 @@ class Namer:
         self._by_parent: dict[int, set[int]] = {}
         self._by_parent_size = -1
         self._candidates: dict[int, list[str]] = {}
+        self._getters: dict[tuple[int, str], Callable[[Any], Any]] = {}  # the MRO read once per type and name
         self._depth: dict[int, tuple[int, int, Root]] = {}  # id -> (depth, anchor id, root)
         self._runs: dict[int, tuple[str, int]] = {}  # id -> (attribute, links of it ending here)
         self._readers: dict[tuple[int, str], Any] = {}  # (id(type), attribute) -> its reader
+        self._data_frame = _loaded_data_frame()  # a path through one is shown df['col'].iloc[i]
 
     def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
         """The root and the steps from it to the object with this id (None root: not reached).
@@ -80,8 +82,10 @@ class Namer:
         if forward is not None and root is not None:
             steps: list[Step] = []
             at = 0
+            frame_type = self._data_frame
             while at < len(forward):
-                column = self._pandas_column(forward, at) if at + 4 < len(forward) else None
+                column = self._pandas_column(forward, at) if frame_type is not None and at + 4 < len(forward) \
+                    and type(parent.get(forward[at])) is frame_type else None
                 if column is not None:  # df -> _mgr -> blocks -> block -> values -> item: df['emb'].iloc[i]
                     steps.append(column)
                     at += 5
@@ -263,13 +267,15 @@ class Namer:
     def _inline_name(self, obj: Any, cls: type, child_id: int) -> str | None:
         """The attribute holding the child, tried by the names the class's methods assign
         (``self.x = ...``), read without making the instance's ``__dict__``."""
-        if not plain_dict_slot(cls):
-            return None
         names = self._candidates.get(id(cls))
         if names is None:
-            names = self._candidates[id(cls)] = _assigned_names(cls)
+            names = self._candidates[id(cls)] = _assigned_names(cls) if plain_dict_slot(cls) else []
+        getters = self._getters
         for name in names:
-            value = read_attribute(obj, name)
+            read = getters.get((id(cls), name))
+            if read is None:
+                read = getters[(id(cls), name)] = attribute_getter(cls, name)
+            value = read(obj)
             if value is not MISSING and id(value) == child_id:
                 return name
         return None
@@ -478,6 +484,16 @@ class Namer:
         self.key_paths.clear()
         self._last_member.clear()
         self._candidates.clear()
+        self._getters.clear()
+
+
+def _loaded_data_frame() -> type | None:
+    """pandas' DataFrame where pandas is loaded (looked up once per naming, not once per link)."""
+    try:
+        found = getattr(sys.modules.get("pandas"), "DataFrame", None)
+    except Exception:
+        return None
+    return found if type(found) is type else None
 
 
 def _visible(step: Step) -> bool:
