@@ -681,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
         # Every heap shape of issues 12 and 24 (one process each), 1k tensors, and 100k for three of them;
         # benchmarks/SHAPES.md is written from these rows.
         ("shapes", lambda: _in_process("bench_shapes", kwargs={"plan": (("slots", 1_000), ("kv_cache", 1_000))}
-                                       if args.quick else {}, timeout=900)),
+                                       if args.quick else {}, timeout=1800)),
         ("hook", lambda: _in_process("bench_hook", kwargs={"cells": 300, "rounds": 3} if args.quick else {})),
         ("kernel", kernel_anchor),
         ("estimate", lambda: _in_process("bench_estimate")),
