@@ -47,7 +47,7 @@ lint: $(VENV)/.test
 # Every Python that pyproject's requires-python admits, without torch (venvs in .venvs/pyXY, made once):
 # import every module, ruff's undefined-name check for that version, and the torch-free tests.
 PYTHONS ?= 3.10 3.11 3.12 3.13
-TORCH_FREE_TESTS := tests/reliability/test_reliability_ii_torchfree.py tests/heap/test_walk_records.py tests/device/test_nvml.py tests/device/test_processes.py
+TORCH_FREE_TESTS := tests/reliability/test_reliability_ii_torchfree.py tests/heap/test_walk_records.py tests/device/test_nvml.py tests/device/test_processes.py tests/heap/test_walk_chains.py
 test-pythons:
 	scripts/test_pythons.sh "$(PYTHONS)" "$(TORCH_FREE_TESTS)"
 

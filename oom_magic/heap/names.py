@@ -162,13 +162,14 @@ class Namer:
                 break
             climbed.append(node)
             node = id(up)
-        depth, anchor, root = memo[node]
-        for child in reversed(climbed):
-            depth += 1
-            if depth == _ENDS:
-                anchor = child
-            if depth % _MEMO_EVERY == 0:  # sparse: memory stays a fraction of the walk's own
-                memo[child] = (depth, anchor, root)
+        top, anchor, root = memo[node]
+        # climbed[i] lies top + len(climbed) - i links down: the anchor and the memos are picked by
+        # index (sparse: memory stays a fraction of the walk's own), with no step per link.
+        depth = top + len(climbed)
+        if top < _ENDS <= depth:
+            anchor = climbed[depth - _ENDS]
+        for at in range(depth % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
+            memo[climbed[at]] = (depth - at, anchor if depth - at >= _ENDS else -1, root)
         return depth, anchor, root
 
     def _climb(self, obj_id: int, links: int) -> list[int]:
@@ -215,11 +216,11 @@ class Namer:
                 break
             climbed.append(node)
             node = id(up)
-        for child in reversed(climbed):
-            length += 1
-            if length % _MEMO_EVERY == 0:
-                runs[child] = (name, length)
-        return length
+        # climbed[i] ends a run of length + len(climbed) - i links: memos picked by index, as in _depth_of.
+        total = length + len(climbed)
+        for at in range(total % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
+            runs[climbed[at]] = (name, total - at)
+        return total
 
     def _link(self, parent: Any, child_id: int) -> list[Step]:
         """How ``parent`` refers to the object with id ``child_id``, read at C level."""

@@ -1,0 +1,189 @@
+"""Deep chains (linked lists, ladders) are walked one object at a time and named by their depth.
+
+Needs no torch (``make test-pythons`` runs it on each Python): tracked lists stand in for tensors.
+A chain's parents are read back for a whole segment at once, and its depths and runs are memoised
+every few dozen links, so the names are checked against a namer that climbs each path alone,
+whatever order the paths are asked in.
+"""
+from __future__ import annotations
+
+import gc
+import random
+
+from oom_magic.heap.names import Namer, render
+from oom_magic.heap.walk import Root, Walk
+from oom_magic.records.snapshot import USER
+
+
+class Link:
+    def __init__(self, value: object, following: object) -> None:
+        self.value = value
+        self.next = following
+
+
+class Fork:
+    """A ladder rung: its left side holds the rest of the ladder or a marker, its right a short branch."""
+
+    def __init__(self) -> None:
+        self.left: object = None
+        self.right: object = None
+
+
+def _linked_list(length: int, every: int) -> tuple[Link, list[list[int]]]:
+    markers: list[list[int]] = []
+    head = None
+    for i in range(length - 1, -1, -1):
+        value: object = i
+        if i % every == every - 1:
+            value = [i]  # a tracked object the walk is asked for, as a tensor would be
+            markers.append(value)
+        head = Link(value, head)
+    assert head is not None
+    markers.reverse()  # made from the tail: head side first
+    return head, markers
+
+
+def _ladder(rungs: int) -> tuple[Fork, list[list[int]]]:
+    """Rungs whose .left leads on (alternating with a list step) and whose .right holds a short branch:
+    levels two or three objects wide, so a segment holds objects that are no marker's ancestor."""
+    markers: list[list[int]] = []
+    top = node = Fork()
+    for i in range(rungs):
+        branch = Fork()
+        branch.left = [i] if i % 97 == 0 else i
+        if i % 97 == 0:
+            markers.append(branch.left)
+        node.right = branch
+        following = Fork()
+        node.left = [following] if i % 3 == 0 else following
+        node = following
+    node.left = [rungs]
+    markers.append(node.left)
+    return top, markers
+
+
+def _walk(roots: dict[str, object], markers: list[list[int]]) -> Walk:
+    walk = Walk([roots, markers], wanted={id(m): i for i, m in enumerate(markers)})
+    walk.start(USER, list(roots.items()))
+    walk.run()
+    assert walk.storages_left == 0, "a marker was not reached"
+    return walk
+
+
+def _named(walk: Walk, ids: list[int]) -> dict[int, str]:
+    namer = Namer(walk, None)
+    try:
+        namer.prepare(ids)
+        found = {}
+        for i in ids:
+            root, steps = namer.steps(i)
+            assert root is not None
+            found[i] = render(root, steps, lambda _: None)
+        return found
+    finally:
+        namer.clear()
+
+
+def test_a_linked_list_is_named_the_same_whatever_order_its_paths_are_asked_in():
+    head, markers = _linked_list(3000, 100)
+    walk = _walk({"head": head}, markers)
+    try:
+        ids = [id(m) for m in markers]
+        alone = {i: _named(walk, [i])[i] for i in ids}
+        # Index i of the list is i links down: its value one more.
+        assert alone[id(markers[0])] == "head(.next ×99).value"
+        assert alone[id(markers[-1])] == "head(.next ×2,999).value"
+        assert set(alone.values()) == {f"head(.next ×{k:,}).value" for k in range(99, 3000, 100)}
+        for order in (ids, ids[::-1], random.Random(3).sample(ids, len(ids))):
+            assert _named(walk, order) == alone
+        # Every parent read back for a chain is a real holder of its child, up to the root.
+        parents = walk.parents_of(ids)
+        for i in ids:
+            node = i
+            while type(parents[node]) is not Root:
+                assert node in map(id, gc.get_referents(parents[node]))
+                node = id(parents[node])
+    finally:
+        walk.release()
+
+
+def test_a_chain_of_mixed_links_says_how_many_it_leaves_out_whatever_the_order():
+    top, markers = _ladder(900)
+    walk = _walk({"top": top}, markers)
+    try:
+        ids = [id(m) for m in markers]
+        alone = {i: _named(walk, [i])[i] for i in ids}
+        deepest = alone[id(markers[-1])]
+        assert deepest.startswith("top.left[0].left.left.left[0]") and " more… " in deepest
+        assert deepest.endswith(".left")
+        assert alone[id(markers[0])] == "top.right.left"
+        for order in (ids[::-1], random.Random(5).sample(ids, len(ids))):
+            assert _named(walk, order) == alone
+    finally:
+        walk.release()
+
+
+def test_a_run_broken_partway_is_not_shown_as_one():
+    """A list whose middle node holds the rest under another attribute: no single run covers the middle."""
+    head, markers = _linked_list(2000, 500)
+    node = head
+    for _ in range(1000):
+        node = node.next
+    node.after, node.next = node.next, None  # type: ignore[attr-defined]
+    walk = _walk({"head": head}, markers)
+    try:
+        ids = [id(m) for m in markers]
+        alone = {i: _named(walk, [i])[i] for i in ids}
+        assert alone[id(markers[0])] == "head(.next ×499).value"
+        deep = alone[id(markers[-1])]
+        assert "(.next ×1,999)" not in deep and " more… " in deep
+        for order in (ids[::-1], random.Random(7).sample(ids, len(ids))):
+            assert _named(walk, order) == alone
+    finally:
+        walk.release()
+
+
+def test_memoised_depths_and_runs_are_those_of_a_climb_from_each_object_alone():
+    """Every node's depth, anchor and run of ``.next``, asked in a shuffled order (each answer then
+    comes partly from the memos others left), equal those of a plain climb from that node."""
+    head, markers = _linked_list(1500, 300)
+    node = head
+    for _ in range(700):
+        node = node.next
+    node.after, node.next = node.next, None  # type: ignore[attr-defined]
+    walk = _walk({"head": head}, markers)
+    try:
+        nodes = [id(head)]
+        at = head
+        while True:
+            at = getattr(at, "next", None) or getattr(at, "after", None)
+            if at is None:
+                break
+            nodes.append(id(at))
+        namer = Namer(walk, None)
+        namer.prepare([id(m) for m in markers])
+        parent = namer.parent_of
+
+        def climbed(i: int) -> list[int]:  # i and its ancestors below the root object, deepest first
+            path = []
+            while type(parent[i]) is not Root:
+                path.append(i)
+                i = id(parent[i])
+            return path
+
+        def run(i: int) -> int:
+            length = 0
+            while type(parent[i]) is not Root and getattr(parent[i], "next", None) is not None \
+                    and id(parent[i].next) == i:
+                length += 1
+                i = id(parent[i])
+            return length
+
+        for i in random.Random(11).sample(nodes, len(nodes)):
+            path = climbed(i)
+            anchor = path[len(path) - 24] if len(path) >= 24 else -1
+            assert namer._depth_of(i)[:2] == (len(path), anchor)
+            assert namer._run_length(i, "next") == run(i)
+        namer.clear()
+    finally:
+        walk.release()
