@@ -566,6 +566,9 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
                 parts.append("")
                 as_attr = False
                 continue
+        elif tag == "index":  # the commonest after attributes: no format call
+            module_child = False
+            text = f"[{step[1]}]"
         else:
             module_child = False
             if tag == "keypath":
@@ -583,6 +586,8 @@ def render(root: Root, steps: tuple[Step, ...], key_text: Callable[[int], str | 
                 text = _STEP_TEXT[tag].format(*step)
         as_attr = False
         parts.append(text)
+    if len(parts) <= MAX_SHOWN_STEPS + 1:  # short enough whole (steps shown as nothing join as nothing)
+        return "".join(parts)
     shown = [p for p in parts[1:] if p]
     if len(shown) > MAX_SHOWN_STEPS:
         shown = shown[:8] + [" … "] + shown[-8:]
