@@ -26,7 +26,8 @@ from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEB
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
 from .walk import Root, Walk
-from .names import Namer, render
+from .names import Namer
+from .path_text import render
 from .reads import instance_attributes, plain_dict_slot, qualname
 from .remembered import RememberedPaths
 from .garbage import forget_garbage, garbage_storages, still_garbage

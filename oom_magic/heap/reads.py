@@ -1,7 +1,7 @@
 """Read an object's parts at C level, so none of the user's code runs: its type's dict and MRO, an
 instance's attributes and slots, a function's ``__dict__``, an object array's items.
 
-What the walk, its naming (``walk_names``) and re-reading (``walk_resolve``) all read through.
+What the walk, its naming (``names``) and re-reading (``resolve``) all read through.
 """
 from __future__ import annotations
 

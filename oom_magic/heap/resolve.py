@@ -7,7 +7,7 @@ import types
 from itertools import repeat
 from typing import Any
 
-from .names import Step
+from .path_text import Step
 from .reads import (MISSING, array_items, attribute_column, attribute_getter, attribute_reader, deque_type, function_dict,
                     is_plain_key, mro_has, read_attribute)
 

@@ -25,8 +25,8 @@ found with C-level reads (dict items, sequence indexes, member descriptors, a fr
 kept as *steps* (plain strings and ints, no references), which ``resolve`` re-reads later to
 check a remembered path still reaches the same object.
 
-Naming is ``walk_names`` (``Namer`` writes the steps, ``render`` shows them), re-reading a
-remembered path is ``walk_resolve``, and the C-level reads all three use are ``walk_reads``.
+Naming is ``names`` (``Namer`` writes the steps) and ``path_text`` (``render`` shows them),
+re-reading a remembered path is ``resolve``, and the C-level reads all three use are ``reads``.
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import gc
 import random
 
-from oom_magic.heap.names import Namer, render
+from oom_magic.heap.names import Namer
+from oom_magic.heap.path_text import render
 from oom_magic.heap.walk import Root, Walk
 from oom_magic.records.snapshot import USER
 
