@@ -101,6 +101,10 @@ class Namer:
         while used_tail < len(tail_ids) and sum(map(_visible, tail)) < 8:
             used_tail += 1
             tail[:0] = link_of(tail_ids[-used_tail])
+        # A key read through an instance's __dict__ (3.10) keeps the dict's step: `.next`, not `['next']`.
+        if tail and tail[0][0] == "key" and used_tail < len(tail_ids) and link_of(tail_ids[-used_tail - 1]) == (("",),):
+            used_tail += 1
+            tail.insert(0, ("",))
         hidden = depth - used_head - used_tail
         last_hidden = tail_ids[-used_tail - 1] if used_tail < len(tail_ids) else None
         same = link_of(last_hidden) if last_hidden is not None else ()
