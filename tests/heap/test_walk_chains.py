@@ -50,6 +50,16 @@ def _linked_list(length: int, every: int) -> tuple[Link, list[list[int]]]:
     return head, markers
 
 
+def _broken_list(length: int, every: int, at: int) -> tuple[Link, list[list[int]]]:
+    """A linked list whose node ``at`` holds the rest under ``.after``, not ``.next``."""
+    head, markers = _linked_list(length, every)
+    node = head
+    for _ in range(at):
+        node = node.next
+    node.after, node.next = node.next, None  # type: ignore[attr-defined]
+    return head, markers
+
+
 def _ladder(rungs: int) -> tuple[Fork, list[list[int]]]:
     """Rungs whose .left leads on (alternating with a list step) and whose .right holds a short branch:
     levels two or three objects wide, so a segment holds objects that are no marker's ancestor."""
@@ -136,11 +146,7 @@ def test_a_chain_of_mixed_links_says_how_many_it_leaves_out_whatever_the_order()
 
 def test_a_run_broken_partway_is_not_shown_as_one():
     """A list whose middle node holds the rest under another attribute: no single run covers the middle."""
-    head, markers = _linked_list(2000, 500)
-    node = head
-    for _ in range(1000):
-        node = node.next
-    node.after, node.next = node.next, None  # type: ignore[attr-defined]
+    head, markers = _broken_list(2000, 500, 1000)
     walk = _walk({"head": head}, markers)
     try:
         ids = [id(m) for m in markers]
@@ -158,11 +164,7 @@ def test_a_run_broken_partway_is_not_shown_as_one():
 def test_memoised_depths_and_runs_are_those_of_a_climb_from_each_object_alone():
     """Every node's depth, anchor and run of ``.next``, asked in a shuffled order (each answer then
     comes partly from the memos others left), equal those of a plain climb from that node."""
-    head, markers = _linked_list(1500, 300)
-    node = head
-    for _ in range(700):
-        node = node.next
-    node.after, node.next = node.next, None  # type: ignore[attr-defined]
+    head, markers = _broken_list(1500, 300, 700)
     walk = _walk({"head": head}, markers)
     try:
         nodes = [id(head)]
