@@ -54,6 +54,7 @@ class Namer:
         self._getters: dict[tuple[int, str], Callable[[Any], Any]] = {}  # the MRO read once per type and name
         self._depth: dict[int, tuple[int, int, Root]] = {}  # id -> (depth, anchor id, root)
         self._runs: dict[int, tuple[str, int]] = {}  # id -> (attribute, links of it ending here)
+        self._pair_runs: dict[int, tuple[str, int]] = {}  # the same, each link an instance's __dict__ and key
         self._readers: dict[tuple[int, str], Any] = {}  # (id(type), attribute) -> its reader
         self._data_frame = _loaded_data_frame()  # a path through one is shown df['col'].iloc[i]
 
@@ -118,6 +119,20 @@ class Namer:
                 tail.pop(0)
                 hidden += 1
             return root, tuple(head + [("run", same[0][1], hidden)] + tail)
+        if last_hidden is not None and len(same) == 1 and same[0][0] == "key" and type(same[0][1]) is str \
+                and tail[:1] == [("",)]:
+            # 3.10: each attribute is two links, the instance's __dict__ and its key. Pairs from a pair's end.
+            pair, middle = [("",), same[0]], hidden + (1 if head[-1:] == [("",)] else 0)
+            if middle % 2 == 0 and self._pair_run_length(last_hidden, same[0][1]) * 2 >= middle:
+                if head[-1:] == [("",)]:
+                    head.pop()
+                while head[-2:] == pair:
+                    del head[-2:]
+                    middle += 2
+                while tail[:2] == pair:
+                    del tail[:2]
+                    middle += 2
+                return root, tuple(head + [("run", same[0][1], middle // 2)] + tail)
         return root, tuple(head + [("elide", hidden)] + tail)
 
     def _link_of(self, child_id: int) -> tuple[Step, ...]:
@@ -212,6 +227,39 @@ class Namer:
             climbed.append(node)
             node = id(up)
         # climbed[i] ends a run of length + len(climbed) - i links: memos picked by index, as in _depth_of.
+        total = length + len(climbed)
+        for at in range(total % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
+            runs[climbed[at]] = (name, total - at)
+        return total
+
+    def _pair_run_length(self, obj_id: int, name: str) -> int:
+        """``_run_length`` where each ``.name`` is two links (3.10 keeps an instance's attributes in its
+        ``__dict__``): how many (``__dict__``, key) pairs up to ``obj_id`` are all ``.name``, memoised alike."""
+        runs, parent = self._pair_runs, self.parent_of
+        climbed: list[int] = []
+        node, length = obj_id, 0
+        last: type | None = None  # a list's nodes share one type: whether its __dict__ is plain, asked once
+        plain = False
+        while True:
+            known = runs.get(node)
+            if known is not None and known[0] == name:
+                length = known[1]
+                break
+            attributes = parent.get(node)
+            if type(attributes) is not dict or id(dict.get(attributes, name, MISSING)) != node:
+                break
+            owner = parent.get(id(attributes))
+            if owner is None or type(owner) is Root:
+                break
+            if type(owner) is not last:
+                last, plain = type(owner), plain_dict_slot(type(owner))
+            try:
+                if not plain or object.__getattribute__(owner, "__dict__") is not attributes:
+                    break
+            except Exception:
+                break
+            climbed.append(node)
+            node = id(owner)
         total = length + len(climbed)
         for at in range(total % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
             runs[climbed[at]] = (name, total - at)
@@ -471,6 +519,7 @@ class Namer:
         self._links.clear()
         self._depth.clear()
         self._runs.clear()
+        self._pair_runs.clear()
         self._readers.clear()
         self.parent_of.clear()
         self._reverse.clear()
