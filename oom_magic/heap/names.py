@@ -123,7 +123,7 @@ class Namer:
                 and tail[:1] == [("",)]:
             # 3.10: each attribute is two links, the instance's __dict__ and its key. Pairs from a pair's end.
             pair, middle = [("",), same[0]], hidden + (1 if head[-1:] == [("",)] else 0)
-            if middle % 2 == 0 and self._pair_run_length(last_hidden, same[0][1]) * 2 >= middle:
+            if middle % 2 == 0 and self._run_length(last_hidden, same[0][1], through_dict=True) * 2 >= middle:
                 if head[-1:] == [("",)]:
                     head.pop()
                 while head[-2:] == pair:
@@ -196,9 +196,13 @@ class Namer:
         ids.reverse()
         return ids
 
-    def _run_length(self, obj_id: int, name: str) -> int:
-        """How many links up to ``obj_id`` are all ``.name`` (memoised: a list is climbed once)."""
-        runs, parent, readers = self._runs, self.parent_of, self._readers
+    def _run_length(self, obj_id: int, name: str, through_dict: bool = False) -> int:
+        """How many links up to ``obj_id`` are all ``.name`` (memoised: a list is climbed once).
+
+        ``through_dict``: each ``.name`` is two links, the owner's ``__dict__`` and its key (3.10 keeps an
+        instance's attributes there): how many such pairs.
+        """
+        runs, parent, readers = (self._pair_runs if through_dict else self._runs), self.parent_of, self._readers
         climbed: list[int] = []
         node = obj_id
         length = 0
@@ -210,56 +214,34 @@ class Namer:
                 length = known[1]
                 break
             up = parent.get(node)
+            attributes = up
+            if through_dict:  # the node is a value of its owner's __dict__: the owner is one link further
+                if type(attributes) is not dict or id(dict.get(attributes, name, MISSING)) != node:
+                    break
+                up = parent.get(id(attributes))
             if up is None or type(up) is Root:
                 break
             cls = type(up)
             if cls is not last:
-                reader = readers.get((id(cls), name), MISSING)
-                if reader is MISSING:
-                    reader = readers[(id(cls), name)] = attribute_reader(cls, name)
-                    self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
+                if through_dict:
+                    reader = plain_dict_slot(cls)
+                else:
+                    reader = readers.get((id(cls), name), MISSING)
+                    if reader is MISSING:
+                        reader = readers[(id(cls), name)] = attribute_reader(cls, name)
+                        self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
                 last = cls
             try:
-                if reader is None or id(reader(up)) != node:
-                    break
-            except AttributeError:
-                break
-            climbed.append(node)
-            node = id(up)
-        # climbed[i] ends a run of length + len(climbed) - i links: memos picked by index, as in _depth_of.
-        total = length + len(climbed)
-        for at in range(total % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
-            runs[climbed[at]] = (name, total - at)
-        return total
-
-    def _pair_run_length(self, obj_id: int, name: str) -> int:
-        """``_run_length`` where each ``.name`` is two links (3.10 keeps an instance's attributes in its
-        ``__dict__``): how many (``__dict__``, key) pairs up to ``obj_id`` are all ``.name``, memoised alike."""
-        runs, parent = self._pair_runs, self.parent_of
-        climbed: list[int] = []
-        node, length = obj_id, 0
-        last: type | None = None  # a list's nodes share one type: whether its __dict__ is plain, asked once
-        plain = False
-        while True:
-            known = runs.get(node)
-            if known is not None and known[0] == name:
-                length = known[1]
-                break
-            attributes = parent.get(node)
-            if type(attributes) is not dict or id(dict.get(attributes, name, MISSING)) != node:
-                break
-            owner = parent.get(id(attributes))
-            if owner is None or type(owner) is Root:
-                break
-            if type(owner) is not last:
-                last, plain = type(owner), plain_dict_slot(type(owner))
-            try:
-                if not plain or object.__getattribute__(owner, "__dict__") is not attributes:
+                if through_dict:
+                    if not reader or object.__getattribute__(up, "__dict__") is not attributes:
+                        break
+                elif reader is None or id(reader(up)) != node:
                     break
             except Exception:
                 break
             climbed.append(node)
-            node = id(owner)
+            node = id(up)
+        # climbed[i] ends a run of length + len(climbed) - i links: memos picked by index, as in _depth_of.
         total = length + len(climbed)
         for at in range(total % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
             runs[climbed[at]] = (name, total - at)
