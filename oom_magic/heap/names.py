@@ -122,9 +122,10 @@ class Namer:
         if last_hidden is not None and len(same) == 1 and same[0][0] == "key" and type(same[0][1]) is str \
                 and tail[:1] == [("",)]:
             # 3.10: each attribute is two links, the instance's __dict__ and its key. Pairs from a pair's end.
-            pair, middle = [("",), same[0]], hidden + (1 if head[-1:] == [("",)] else 0)
+            pair, dangling = [("",), same[0]], head[-1:] == [("",)]  # the head may end between a dict and its key
+            middle = hidden + dangling
             if middle % 2 == 0 and self._run_length(last_hidden, same[0][1], through_dict=True) * 2 >= middle:
-                if head[-1:] == [("",)]:
+                if dangling:
                     head.pop()
                 while head[-2:] == pair:
                     del head[-2:]
@@ -214,17 +215,17 @@ class Namer:
                 length = known[1]
                 break
             up = parent.get(node)
-            attributes = up
+            expected = node  # what the owner's read must give: the node, or (3.10) the dict holding it
             if through_dict:  # the node is a value of its owner's __dict__: the owner is one link further
-                if type(attributes) is not dict or id(dict.get(attributes, name, MISSING)) != node:
+                if type(up) is not dict or id(dict.get(up, name, MISSING)) != node:
                     break
-                up = parent.get(id(attributes))
+                expected, up = id(up), parent.get(id(up))
             if up is None or type(up) is Root:
                 break
             cls = type(up)
             if cls is not last:
                 if through_dict:
-                    reader = plain_dict_slot(cls)
+                    reader = _own_dict if plain_dict_slot(cls) else None
                 else:
                     reader = readers.get((id(cls), name), MISSING)
                     if reader is MISSING:
@@ -232,10 +233,7 @@ class Namer:
                         self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
                 last = cls
             try:
-                if through_dict:
-                    if not reader or object.__getattribute__(up, "__dict__") is not attributes:
-                        break
-                elif reader is None or id(reader(up)) != node:
+                if reader is None or id(reader(up)) != expected:
                     break
             except Exception:
                 break
@@ -521,6 +519,11 @@ def _loaded_data_frame() -> type | None:
     except Exception:
         return None
     return found if type(found) is type else None
+
+
+def _own_dict(obj: Any) -> Any:
+    """The instance's own ``__dict__``, for a class whose ``__dict__`` is CPython's slot (no code runs)."""
+    return object.__getattribute__(obj, "__dict__")
 
 
 def _visible(step: Step) -> bool:
