@@ -156,7 +156,7 @@ def storage_bytes(torch: ModuleType | None, device: str) -> dict[int, int]:
 
     live = find_tensors(torch, device)
     try:
-        return {key: record.bytes for key, record in live.storages.items()}
+        return dict(live.sizes)
     finally:
         live.release()
 
@@ -210,12 +210,12 @@ def holders_of(torch: ModuleType, device: str, keys: set[int], shell: Any, names
             if k in holders:
                 # A user variable by its name (`model`), anything else by its path.
                 name = holders[k].root if holders[k].kind == USER else holders[k].path
-                held[name] = held.get(name, 0) + live.storages[k].bytes
+                held[name] = held.get(name, 0) + live.sizes[k]
         paths = tuple(name for name, _ in sorted(held.items(), key=lambda kv: -kv[1]))
         per_root: dict[str, int] = {}
         for key, holder in holders.items():
             if holder.kind == USER:
-                per_root[holder.root] = per_root.get(holder.root, 0) + live.storages[key].bytes
+                per_root[holder.root] = per_root.get(holder.root, 0) + live.sizes[key]
         return paths, tuple(sorted(per_root.items(), key=lambda kv: -kv[1]))
     finally:
         live.release()

@@ -82,7 +82,7 @@ def free_stale(device: str | None = None, *, names: Iterable[str] = (), dry_run:
                          "%gpumem shows the device now")
         if after_live is not None:
             try:
-                gone = set(storages) - set(after_live.storages)
+                gone = set(storages) - after_live.sizes.keys()
                 try:
                     still = _still_held(after_live, names, named, storages, torch, types, shell, namespace)
                 except Exception as exc:
@@ -152,7 +152,7 @@ def _act(torch: Any, types: frozenset[type], where: str, shell: Any, namespace: 
         stale = {k: h for k, h in attribution.holders.items() if h.kind in STALE_KINDS}
         named = _reachable_from_names(live, roots, names, torch, types)
         kinds: dict[int, HolderKind] = {k: attribution.holders[k].kind if k in attribution.holders else OTHER
-                                        for k in live.storages}
+                                        for k in live.sizes}
         survivors: set[int] = set()
         if dry_run:
             survivors = _dry_run_survivors(live, roots, names, torch, types, named, stale)
@@ -176,7 +176,7 @@ def _until_stale_gone(torch: Any, types: frozenset[type], where: str, shell: Any
     live = find_tensors(torch, where)
     before: list[int] | None = None
     for _ in range(rounds - 1):
-        left = [k for k, kind in kinds.items() if kind in STALE_KINDS and k in live.storages]
+        left = [k for k, kind in kinds.items() if kind in STALE_KINDS and k in live.sizes]
         if not left or (before is not None and len(left) >= len(before)):  # the last round freed none of them
             break
         before = left
@@ -206,7 +206,7 @@ def _dry_run_survivors(live: LiveTensors, roots: Roots, names: tuple[str, ...], 
     remaining = Roots(user=tuple((p, o) for p, o in roots.user if p not in paths), containers=roots.containers)
     kept = set(attribute(live, remaining, torch, types, find_garbage=False, trace_other=False).holders)
     named_keys = set().union(*named.values()) if named else set()
-    return {k for k in live.storages if k not in stale and (k in kept or k not in named_keys)}
+    return {k for k in live.sizes if k not in stale and (k in kept or k not in named_keys)}
 
 
 def _give_back(roots: Roots, stale: dict, attribution: Attribution, shell: Any,
@@ -275,11 +275,11 @@ def _still_held(after_live: LiveTensors, names: tuple[str, ...], named: dict[str
     """For each deleted name: which of its storages are still alive, and what holds them."""
     if not names:
         return ()
-    alive_keys = {k for name in names for k in named.get(name, ()) if k in after_live.storages}
+    alive_keys = {k for name in names for k in named.get(name, ()) if k in after_live.sizes}
     paths_of = _every_holder(after_live, alive_keys, collect_roots(shell, namespace), torch, types)
     result = []
     for name in names:
-        alive = [k for k in named.get(name, ()) if k in after_live.storages]
+        alive = [k for k in named.get(name, ()) if k in after_live.sizes]
         if not alive:
             continue
         paths = [p for k in alive for p in paths_of.get(k, ())]

@@ -58,7 +58,7 @@ def still_garbage(live: LiveTensors, claimed: dict[int, Any]) -> set[int]:
     found: set[int] = set()
     for group in list(_LAST):
         refs, ids, storages = group
-        if not any(key in live.storages and key not in claimed for key in storages):
+        if not any(key in live.sizes and key not in claimed for key in storages):
             if not any(ref() is not None for ref in refs):
                 _LAST.remove(group)  # collected: nothing left to re-verify
             continue

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Iterable
 
-from ..records.data import frozen_record
 from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
 from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
@@ -43,7 +42,7 @@ def _root_kinds(roots: Roots) -> tuple[tuple[HolderKind, tuple[tuple[str, object
     return ((USER, roots.user), (OUTPUT_CACHE, roots.output_cache), (TRACEBACK, roots.traceback))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a scan reads kind and path of 100,000 of them into records
 class Holder:
     """Who holds a storage: the kind, the path to show, and the root it was reached from.
 
@@ -118,7 +117,9 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     if trace_other or find_garbage:
         for key, text in still_library_held(live, holders).items():
             holders[key] = Holder(OTHER, text, "referrers")
-    wanted = {tid: key for tid, key in live.storage_of.items() if key not in holders}
+    # A steady scan's remembered paths often name every storage: no walk, and no look at each tensor.
+    wanted = {} if holders.keys() >= live.sizes.keys() else \
+        {tid: key for tid, key in live.storage_of.items() if key not in holders}
     skip = roots.containers + (live.tensors, live.storage_of, sys.modules, wanted, roots)
     walk = Walk(skip, wanted=wanted, deadline=deadline, budget_nodes=budget_nodes)
     complete = True
@@ -147,7 +148,7 @@ def _attribute(live: LiveTensors, roots: Roots, torch: Any, tensor_types: frozen
     # something: garbage is unreachable by definition.
     if stale_objects and not user_exhausted and any(h.kind in (OUTPUT_CACHE, TRACEBACK) for h in holders.values()):
         user_reached = _user_reach(roots, live, stale_objects, deadline, budget_nodes)
-    unclaimed = [] if holders.keys() >= live.storages.keys() else \
+    unclaimed = [] if holders.keys() >= live.sizes.keys() else \
         [t for t in live.tensors if live.storage_of[id(t)] not in holders]
     known: dict[int, list[Any]] = {}  # the garbage search's referrers, climbed again by the chains
     try:
@@ -260,8 +261,7 @@ def _name_found(walk: Walk, torch: Any, live: LiveTensors | None) -> dict[int, H
             text = render(root, steps, key_text)
             if shared is not None:
                 text += f" (first of {shared[1]:,} views)"
-            holders[key] = holder = frozen_record(Holder, {"kind": root.kind, "path": text, "root": root.name,
-                                                           "hint": _hint(root, steps)})
+            holders[key] = holder = Holder(root.kind, text, root.name, _hint(root, steps))
             if root.kind == USER and shared is None:  # a count of views could change unseen: not remembered
                 if namer.key_paths:
                     steps = tuple(_key_at(namer, step) if step[0] == "keypath" else step for step in steps)
@@ -321,7 +321,7 @@ def _hint(root: Root, steps: tuple) -> str | None:
 
 def _grads(walk: Walk, live: LiveTensors, torch: Any, holders: dict[int, Holder]) -> None:
     """Name storages only a reached tensor's ``.grad`` holds (read through TensorBase, no user code)."""
-    left = {key for key in live.storages if key not in holders}
+    left = {key for key in live.sizes if key not in holders}
     if not left or not walk.exhausted:
         return
     base = getattr(getattr(torch, "_C", None), "TensorBase", None)
@@ -459,7 +459,7 @@ def _referrer_chains(live: LiveTensors, unclaimed: list[Any], *, hops: int = 5,
     by_key: dict[int, Any] = {}
     for t in unclaimed:
         by_key.setdefault(live.storage_of[id(t)], t)
-    order = sorted(by_key, key=lambda k: -live.storages[k].bytes)
+    order = sorted(by_key, key=lambda k: -live.sizes[k])
     climbs = [_Climb(by_key[key]) for key in order]
     # Our own containers refer to the tensors and holders too: never report them as holders.
     ours = {id(live.tensors), id(unclaimed), id(by_key), id(climbs), id(sys._getframe())}

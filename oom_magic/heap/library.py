@@ -58,7 +58,7 @@ def still_library_held(live: LiveTensors, claimed: dict[int, Any]) -> dict[int, 
     tensors = {id(t) for t in live.tensors}
     held: dict[int, str] = {}
     for key, (ref, ids, text) in list(_CHAINS.items()):
-        if key not in live.storages or key in claimed:
+        if key not in live.sizes or key in claimed:
             continue
         if views.get(key) == 1 and _holds_alone(ref, ids, tensors) and live.storage_of.get(ids[-1]) == key:
             held[key] = text

@@ -109,11 +109,11 @@ class RememberedPaths:
         variables = _variables(roots)
         holders: dict[int, Any] = {}
         storage_of = live.storage_of
-        alive = live.storages.__contains__
+        alive = live.sizes.__contains__
         listed: dict[int, Any] = {}  # sets and arrays listed once for every path through them
-        if len(live.storages) * 4 < len(self._paths):  # a few storages (the quick view's): each path alone
+        if len(live.sizes) * 4 < len(self._paths):  # a few storages (the quick view's): each path alone
             columns: dict[tuple[str, tuple], Column] = {}
-            one_by_one = list(filter(self.__contains__, live.storages))
+            one_by_one = list(filter(self.__contains__, live.sizes))
         else:
             columns, singles = self.columns()
             one_by_one = list(filter(alive, singles))

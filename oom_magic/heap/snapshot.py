@@ -19,7 +19,7 @@ from ..device.mapped import file_pages_of, process_file_resident
 from ..device.nvml import Nvml
 from ..render.units import format_bytes  # a note's figure (a leaf module: no cycle)
 from ..records.snapshot import (HOLDER_KINDS, USER, FilePages, HolderGroup, HolderKind, KernelInfo, Snapshot,
-                                StorageRecord, give_holders)
+                                StorageRecord)
 from .roots import Roots, collect_roots
 from .tracker import find_tensors, pins_nothing, tensor_types
 
@@ -68,7 +68,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
                                                 budget_seconds=max(left, QUICK_WALK_FLOOR_SECONDS))
     try:
         holders = attribution.holders
-        storages = give_holders(live.storages, holders)  # this scan's own records: none shared yet
+        storages = tuple(live.records(holders))
     finally:
         live.release()
     notes: list[str] = []

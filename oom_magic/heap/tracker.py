@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from itertools import compress, repeat
 import operator
 from types import ModuleType
-from functools import wraps
+from functools import cached_property, wraps
 from typing import Any, TypeVar
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..records.snapshot import StorageRecord, storage_records  # StorageRecord: re-exported
 
@@ -34,14 +34,28 @@ class LiveTensors:
 
     tensors: list[Any]
     storage_of: dict[int, int]  # id(tensor) -> storage key
-    storages: dict[int, StorageRecord]
+    sizes: dict[int, int]  # storage key -> its bytes: which storages there are, for the attribution
     objects_scanned: int
     byteless: int  # meta/fake tensors seen (they hold no device bytes)
     unreadable: int = 0  # tensors whose storage raised when read (wrapper subclasses, broken ones)
+    # Each storage's figures, a list each in ``storage_records``' order (key first); made into
+    # records once the holders are known, each record whole in one pass (no second write to each).
+    columns: tuple[Sequence[Any], ...] = ()
 
     def release(self) -> None:
         """Drop every strong reference to the tensors."""
         self.tensors.clear()
+
+    def records(self, holders: Mapping[int, Any] | None = None) -> list[StorageRecord]:
+        """A record per storage, in the order found, each held as ``holders`` (key -> a record with
+        ``kind`` and ``path``) says, else by "other" with no path."""
+        return storage_records(*self.columns, holders=holders) if self.columns else []
+
+    @cached_property
+    def storages(self) -> dict[int, StorageRecord]:
+        """storage key -> its record, held by no one yet (made on first use: a scan makes its own with
+        ``records(holders)``)."""
+        return dict(zip(self.columns[0], self.records())) if self.columns else {}
 
 
 def tensor_types(torch: ModuleType) -> frozenset[type]:
@@ -208,9 +222,10 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
             storage_of[id(storage)] = key
             groups[key] = [where, nbytes, None, 0, (nbytes,), address]
         bare_storages.clear()
-        storages = _records(groups, reader)
+        columns = _columns(groups, reader)
     groups.clear()
-    return LiveTensors(kept, storage_of, storages, objects_scanned, counts[0], counts[1])
+    return LiveTensors(kept, storage_of, dict(zip(columns[0], columns[2])) if columns else {}, objects_scanned,
+                       counts[0], counts[1], columns)
 
 
 def _sort_kinds(tensors: list[Any], reader: _Reader, byteless_types: frozenset[int], bare: frozenset[int],
@@ -314,11 +329,12 @@ _EMPTY: list[Any] = ["empty"]
 _ELSEWHERE: list[Any] = ["elsewhere"]
 
 
-def _records(groups: dict[int, list[Any]], reader: _Reader) -> dict[int, StorageRecord]:
-    """A record per storage group; the naming tensors' dtypes and shapes read in C-level passes where
-    every group has one (a bare storage is uint8 of its size) and every read succeeds."""
+def _columns(groups: dict[int, list[Any]], reader: _Reader) -> tuple[Sequence[Any], ...]:
+    """Each storage group's figures as ``storage_records`` takes them; the naming tensors' dtypes and
+    shapes read in C-level passes where every group has one (a bare storage is uint8 of its size) and
+    every read succeeds."""
     if not groups:
-        return {}
+        return ()
     keys = list(groups)
     wheres, sizes, named, counts, shapes, addresses = zip(*groups.values())
     read_in_bulk = None
@@ -337,7 +353,7 @@ def _records(groups: dict[int, list[Any]], reader: _Reader) -> dict[int, Storage
         cache: dict[Any, str] = {}
         dtype_names = [_dtype_name(t, cache, reader) if t is not None else "uint8" for t in named]
         read = [shape if shape is not None else reader.shape(t) for t, shape in zip(named, shapes)]
-    return dict(zip(keys, storage_records(keys, wheres, sizes, dtype_names, read, counts, addresses)))
+    return keys, wheres, sizes, dtype_names, read, counts, addresses
 
 
 def _group_each(dense: list[Any], reader: _Reader, device: str | None, groups: dict[int, list[Any]],

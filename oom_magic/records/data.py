@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
+from collections import deque
+from itertools import repeat
 from typing import Any, TypeVar
 
 R = TypeVar("R")
@@ -20,10 +22,10 @@ def record_dict(record: Any) -> Any:
     return record
 
 
-def frozen_record(cls: type[R], values: dict[str, Any]) -> R:
-    """A frozen dataclass instance with these field values (every field, by name), made with one
-    ``__dict__`` set instead of a frozen ``__setattr__`` per field: a third of the cost, for the
-    records a scan makes by the 100,000. Equal, hashable and frozen as ``cls(**values)``."""
-    record = _new(cls)
-    _set(record, "__dict__", values)
-    return record
+def frozen_records(cls: type[R], values: list[dict[str, Any]]) -> list[R]:
+    """A frozen dataclass instance per dict of field values (every field, by name), each made with one
+    ``__dict__`` set instead of a frozen ``__setattr__`` per field, in C-level passes: a third of the
+    cost, for the records a scan makes by the 100,000. Equal, hashable and frozen as ``cls(**values)``."""
+    records = list(map(_new, repeat(cls, len(values))))
+    deque(map(_set, records, repeat("__dict__"), values), 0)
+    return records

@@ -9,10 +9,9 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from collections.abc import Iterable, Mapping
-from itertools import repeat
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from .data import frozen_record, record_dict
+from .data import frozen_records, record_dict
 from .shown import Shown
 
 if TYPE_CHECKING:  # annotation only: the reading's record lives beside the code that reads it
@@ -50,32 +49,20 @@ class StorageRecord:
     mapped_bytes: int = 0  # cpu: of bytes, a view of a memory-mapped file (file pages, not anonymous memory)
 
 
-def storage_records(keys: list[int], devices: Iterable[str], sizes: Iterable[int], dtypes: Iterable[str],
-                    shapes: Iterable[tuple[int, ...]], tensor_counts: Iterable[int],
-                    addresses: Iterable[int]) -> list[StorageRecord]:
-    """A ``StorageRecord`` per key (held by "other", no path), made column by column at a third of the
-    dataclass's cost (``frozen_record``'s single ``__dict__`` set, no call per record): a scan of
-    100,000 tensors makes 100,000 of them."""
+def storage_records(keys: Iterable[int], devices: Iterable[str], sizes: Iterable[int], dtypes: Iterable[str],
+                    shapes: Iterable[tuple[int, ...]], tensor_counts: Iterable[int], addresses: Iterable[int], *,
+                    holders: Mapping[int, Any] | None = None) -> list[StorageRecord]:
+    """A ``StorageRecord`` per key, held as ``holders`` (key -> a record with ``kind`` and ``path``) says,
+    else by "other" with no path. Made column by column, each record whole at once (``frozen_records``:
+    no call per record): a scan of 100,000 tensors makes 100,000 of them, and writing the holders into
+    them afterwards cost as much again (each record fetched back from memory)."""
+    held = (holders or {}).get
     fields = [{"key": key, "device": device, "bytes": nbytes, "dtype": dtype, "shape": shape,
-               "tensor_count": count, "holder_kind": OTHER, "holder_path": None, "address": address,
-               "mapped_bytes": 0}
+               "tensor_count": count, "holder_kind": OTHER if (holder := held(key)) is None else holder.kind,
+               "holder_path": None if holder is None else holder.path, "address": address, "mapped_bytes": 0}
               for key, device, nbytes, dtype, shape, count, address
               in zip(keys, devices, sizes, dtypes, shapes, tensor_counts, addresses)]
-    return list(map(frozen_record, repeat(StorageRecord), fields))
-
-
-def give_holders(fresh: dict[int, StorageRecord], holders: Mapping[int, Any]) -> tuple[StorageRecord, ...]:
-    """``fresh``'s records, each with its holder's kind and path where ``holders`` (key -> a record with
-    ``kind`` and ``path``) has one, set in place: only for the records a scan has just made and
-    shared with no one (none hashed yet). A copy per record (``dataclasses.replace``, or one
-    ``__dict__`` copy) cost a 100,000-tensor scan twice as much: 120 ms, where this costs 60."""
-    get = holders.get
-    for key, record in fresh.items():  # in the order made: the records lie in memory in that order
-        holder = get(key)
-        if holder is not None:
-            fields = record.__dict__
-            fields["holder_kind"], fields["holder_path"] = holder.kind, holder.path
-    return tuple(fresh.values())
+    return frozen_records(StorageRecord, fields)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ from oom_magic.heap.remembered import RememberedPaths
 from oom_magic.heap.resolve import column_form, resolve, resolve_columns
 from oom_magic.heap.names import Namer
 from oom_magic.heap.walk import Walk
-from oom_magic.records.data import frozen_record
-from oom_magic.records.snapshot import USER, StorageRecord, give_holders, storage_records
+from oom_magic.records.snapshot import USER, StorageRecord, storage_records
 
 
 class Token:
@@ -226,14 +225,14 @@ def test_records_made_in_bulk_are_the_dataclass_records():
     made, other = storage_records([1, 2], ["cpu"] * 2, [16] * 2, ["float32"] * 2, [(4,)] * 2, [2] * 2, [99, 0])
     plain = StorageRecord(1, "cpu", 16, "float32", (4,), 2, address=99)
     assert made == plain and hash(made) == hash(plain) and repr(made) == repr(plain)
-    given = give_holders({1: made, 2: other}, {1: Holder(USER, "x[1]", "x"), 3: Holder(USER, "gone", "gone")})
+    assert other == StorageRecord(2, "cpu", 16, "float32", (4,), 2)
+    given = storage_records([1, 2], ["cpu"] * 2, [16] * 2, ["float32"] * 2, [(4,)] * 2, [2] * 2, [99, 0],
+                            holders={1: Holder(USER, "x[1]", "x"), 3: Holder(USER, "gone", "gone")})
     held = dataclasses.replace(plain, holder_kind=USER, holder_path="x[1]")
-    assert given == (held, StorageRecord(2, "cpu", 16, "float32", (4,), 2)) and hash(given[0]) == hash(held)
+    assert given == [held, other] and hash(given[0]) == hash(held) and given[1].holder_path is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.bytes = 3  # type: ignore[misc]
     assert set(made.__dict__) == {f.name for f in dataclasses.fields(StorageRecord)}
-    holder = frozen_record(Holder, {"kind": USER, "path": "x", "root": "x", "hint": None})
-    assert holder == Holder(USER, "x", "x")
 
 
 def test_an_item_of_a_huge_list_is_named_by_the_index_the_walk_read():
