@@ -150,10 +150,9 @@ def resolve_columns(root: Any, ops: tuple[tuple[str, Any], ...], arguments: list
     columns = iter(arguments)
     try:
         for op, name in ops:
-            kinds = set(map(id, map(type, objs)))  # by id: a user's type is never hashed
-            if len(kinds) != 1:
-                return None
             cls = type(objs[0])
+            if not all(map(operator.is_, map(type, objs), repeat(cls))):  # by identity: no type is hashed
+                return None
             if op == "index":
                 if cls is not list and cls is not tuple:
                     return None

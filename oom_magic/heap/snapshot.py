@@ -44,7 +44,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     kernels = _kernels_on(reading) if name_kernels else ()
     torch = loaded_torch()
     if torch is None:
-        pages = _with_file_pages(())[1] if where == "cpu" else None  # this process's own file pages still count
+        pages = _with_file_pages((), [], [])[1] if where == "cpu" else None  # this process's own file pages still count
         return Snapshot(where, reading, (), (), time.perf_counter() - started, 0, True,
                         ("torch is not imported in this process: no tensors to attribute",), top, kernels=kernels,
                         file_pages=pages)
@@ -69,6 +69,8 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     try:
         holders = attribution.holders
         storages = tuple(live.records(holders))
+        # Each storage's size and address as found (in the records' order): read without a record each.
+        sizes, addresses = (list(live.columns[2]), list(live.columns[6])) if live.columns else ([], [])
     finally:
         live.release()
     notes: list[str] = []
@@ -95,7 +97,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     notes += [f"to free what {hint.removesuffix('.cache_clear()')}'s cache holds: {hint}" for hint in hints]
     pages = None
     if where == "cpu":
-        storages, pages = _with_file_pages(storages)
+        storages, pages = _with_file_pages(storages, addresses, sizes)
         if pages is not None and pages.mapped_bytes:
             resident = (f", {format_bytes(pages.resident)} of it in memory now" if pages.resident is not None
                         else f", at most {format_bytes(pages.process_file_resident)} of it in memory now"
@@ -108,23 +110,28 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     if counters is not None:
         _ALLOCATOR_SEEN[where] = (counters, storages)
     return _finish(where, reading, storages, notes, started, live.objects_scanned, attribution.complete, top,
-                   heap_scan, kernels, pages)
+                   heap_scan, kernels, pages, sizes)
 
 
 def _finish(where: str, reading: DeviceReading, storages: tuple[StorageRecord, ...], notes: list[str],
             started: float, scanned: int, complete: bool, top: int, heap_scan: bool,
-            kernels: tuple[tuple[int, KernelInfo], ...], pages: FilePages | None) -> Snapshot:
-    kinds, sizes = list(map(_KIND, storages)), list(map(_BYTES, storages))
+            kernels: tuple[tuple[int, KernelInfo], ...], pages: FilePages | None,
+            sizes: list[int] | None = None) -> Snapshot:
+    """The snapshot, its storages largest first; ``sizes``: their bytes in order, where known without a read."""
+    kinds, sizes = list(map(_KIND, storages)), sizes if sizes is not None else list(map(_BYTES, storages))
     totals = {kind: sum(compress(sizes, map(kind.__eq__, kinds))) for kind in HOLDER_KINDS}
-    storages = tuple(sorted(storages, key=_BYTES, reverse=True))  # stable: equal sizes keep their order
+    largest_first = sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True)  # stable: ties keep their order
+    storages = tuple(map(storages.__getitem__, largest_first))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
                     scanned, complete, tuple(notes), top, heap_scan=heap_scan,
                     kernels=kernels, file_pages=pages)
 
 
-def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[StorageRecord, ...], FilePages | None]:
-    """cpu: mark each storage's bytes that are views of a memory-mapped file, and sum them by holder kind."""
-    views = file_pages_of(list(map(_ADDRESS, storages)), list(map(_BYTES, storages)))
+def _with_file_pages(storages: tuple[StorageRecord, ...], addresses: list[int],
+                     sizes: list[int]) -> tuple[tuple[StorageRecord, ...], FilePages | None]:
+    """cpu: mark each storage's bytes that are views of a memory-mapped file, and sum them by holder kind
+    (``addresses`` and ``sizes``: the storages', in order)."""
+    views = file_pages_of(addresses, sizes)
     if views is None:
         return storages, None  # not Linux: no /proc/self/maps to tell file pages from anonymous memory
     by_kind: dict[HolderKind, int] = {}
@@ -139,7 +146,7 @@ def _with_file_pages(storages: tuple[StorageRecord, ...]) -> tuple[tuple[Storage
 
 # The quick view's walk always gets this long, however little of its budget the reading left.
 QUICK_WALK_FLOOR_SECONDS = 0.01
-_ADDRESS, _BYTES, _KIND, _HINT = (attrgetter(name) for name in ("address", "bytes", "holder_kind", "hint"))
+_BYTES, _KIND, _HINT = (attrgetter(name) for name in ("bytes", "holder_kind", "hint"))
 _UNCHANGED_NOTE = ("the allocator's allocation and free counts have not moved since the last scan: its storages' "
                    "remembered paths were re-checked, with no heap pass")
 # device -> (the allocator's (allocated, freed) block counts, the storages found then). Records

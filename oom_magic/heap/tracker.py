@@ -15,7 +15,7 @@ import gc
 import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 import operator
 from types import ModuleType
 from functools import cached_property, wraps
@@ -154,6 +154,9 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
     sparse: list[tuple[Any, str]] = []
     bare_storages: list[Any] = []
     claimed: dict[int, int] = {}  # a sparse tensor's index storage -> its record's key
+    # Where every dense tensor has a storage of its own (and no sparse one came first): their groups
+    # as columns (keys, devices, sizes, tensors, addresses), not a row each (100,000 storages).
+    bulk: list[list[Any]] = []
     if reader is None:
         tensors.clear()
         return LiveTensors(kept, storage_of, {}, objects_scanned, 0, 0)
@@ -181,8 +184,9 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
             for part_key, _ in parts[:-1]:
                 claimed[part_key] = key
         sparse.clear()
-        _group_dense(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts)
+        _group_dense(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts, bulk)
         dense.clear()
+        in_bulk = dict(zip(bulk[0], bulk[2])) if bulk else {}  # key -> bytes: the LiveTensors' sizes
         # A storage object counts only for a storage no tensor views (one held on its own); the
         # ones a tensor's storage() call left behind are not holders.
         # A storage sliced into others counts only the bytes no counted storage covers: each byte
@@ -194,13 +198,16 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         counted: _Ranges | None = None
         try:  # most are the storage objects of counted tensors: dropped by key in one pass
             storage_keys = list(map(reader.cdata, bare_storages))
-            bare_storages[:] = compress(bare_storages, map(operator.not_, map(groups.__contains__, storage_keys)))
+            for grouped in (in_bulk, groups):
+                unseen = list(map(operator.not_, map(grouped.__contains__, storage_keys)))
+                bare_storages[:] = compress(bare_storages, unseen)
+                storage_keys[:] = compress(storage_keys, unseen)
         except Exception:
             pass  # read one by one below
         for storage in bare_storages:
             try:
                 key = int(reader.cdata(storage))
-                if key in groups or key in claimed:
+                if key in groups or key in claimed or key in in_bulk:
                     continue
                 key, nbytes, where = reader.bare_storage(storage, device_names)
             except Exception:
@@ -213,7 +220,8 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
             if not nbytes or (device is not None and where != device):
                 continue
             if counted is None:
-                counted = _Ranges((g[5], g[1], g[0]) for g in groups.values() if g[5])
+                counted = _Ranges(chain(((g[5], g[1], g[0]) for g in groups.values() if g[5]),
+                                        ((a, n, w) for w, n, a in (zip(*bulk[1:3], bulk[4]) if bulk else ()) if a)))
             covered = counted.overlap(address, nbytes, where) if address else 0
             nbytes = 0 if covered and where == "cpu" else nbytes - covered
             if nbytes <= 0:
@@ -222,10 +230,12 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
             storage_of[id(storage)] = key
             groups[key] = [where, nbytes, None, 0, (nbytes,), address]
         bare_storages.clear()
-        columns = _columns(groups, reader)
+        columns = _columns(groups, reader, bulk)
+    bulk.clear()
+    if groups:
+        in_bulk.update((key, group[1]) for key, group in groups.items())
     groups.clear()
-    return LiveTensors(kept, storage_of, dict(zip(columns[0], columns[2])) if columns else {}, objects_scanned,
-                       counts[0], counts[1], columns)
+    return LiveTensors(kept, storage_of, in_bulk, objects_scanned, counts[0], counts[1], columns)
 
 
 def _sort_kinds(tensors: list[Any], reader: _Reader, byteless_types: frozenset[int], bare: frozenset[int],
@@ -269,9 +279,10 @@ def _sort_kinds(tensors: list[Any], reader: _Reader, byteless_types: frozenset[i
 
 def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: dict[int, list[Any]],
                  claimed: dict[int, int], kept: list[Any], storage_of: dict[int, int],
-                 device_names: dict[Any, str], counts: list[int]) -> None:
+                 device_names: dict[Any, str], counts: list[int], bulk: list[list[Any]]) -> None:
     """Group dense tensors by storage: the first tensor of each new storage is read in C-level passes
-    (its storage's size and address, its device), the others one by one (``_group_each``)."""
+    (its storage's size and address, its device), the others one by one (``_group_each``). Where each
+    has a storage of its own and no group was made before, their groups are ``bulk``'s columns."""
     try:
         keys = list(map(reader.key, dense))
         if claimed:
@@ -299,6 +310,9 @@ def _group_dense(dense: list[Any], reader: _Reader, device: str | None, groups: 
     if all(counted):
         kept.extend(heads)
         storage_of.update(zip(map(id, heads), head_keys))
+        if heads is dense and not groups:
+            bulk[:] = [head_keys, wheres, sizes, list(heads), addresses]  # a copy: the caller empties dense
+            return
         groups.update(zip(head_keys, map(list, zip(wheres, sizes, heads, repeat(1), repeat(None), addresses))))
     else:
         for tensor, key, where, nbytes, address in zip(heads, head_keys, wheres, sizes, addresses):
@@ -329,14 +343,20 @@ _EMPTY: list[Any] = ["empty"]
 _ELSEWHERE: list[Any] = ["elsewhere"]
 
 
-def _columns(groups: dict[int, list[Any]], reader: _Reader) -> tuple[Sequence[Any], ...]:
+def _columns(groups: dict[int, list[Any]], reader: _Reader, bulk: list[list[Any]]) -> tuple[Sequence[Any], ...]:
     """Each storage group's figures as ``storage_records`` takes them; the naming tensors' dtypes and
     shapes read in C-level passes where every group has one (a bare storage is uint8 of its size) and
     every read succeeds."""
-    if not groups:
+    if not groups and not bulk:
         return ()
-    keys = list(groups)
-    wheres, sizes, named, counts, shapes, addresses = zip(*groups.values())
+    columns: tuple[Sequence[Any], ...]  # keys, devices, sizes, naming tensors, tensor counts, shapes, addresses
+    if not bulk:
+        columns = (list(groups), *zip(*groups.values()))
+    else:  # the bulk groups' (one tensor each, its own shape), then the rows' (bare storages)
+        columns = (*bulk[:4], [1] * len(bulk[0]), [None] * len(bulk[0]), bulk[4])
+        if groups:
+            columns = tuple([*column, *rows] for column, rows in zip(columns, (groups, *zip(*groups.values()))))
+    keys, wheres, sizes, named, counts, shapes, addresses = columns
     read_in_bulk = None
     if not any(map(operator.is_, named, repeat(None))):  # a bare storage has no tensor to read
         try:

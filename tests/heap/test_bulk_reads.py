@@ -135,21 +135,29 @@ def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
                torch.nn.Parameter(torch.ones(2, 2))]
     types = tracker.tensor_types(torch)
 
-    def grouped():
+    # Each its own storage: grouped as columns (no row each), a storage held alone after them.
+    own = [torch.ones(3), torch.zeros(2, dtype=torch.float16), torch.nn.Parameter(torch.ones(5))]
+    alone = torch.ones(6).untyped_storage()
+    own_tensors = [*own, alone, *(t.untyped_storage() for t in own)]  # and the storage objects a read leaves
+
+    def grouped(tensors=tensors):
         live = tracker.group_storages(list(tensors), types)
         try:
-            return live.storages, sorted(live.storage_of.values()), live.byteless, live.unreadable
+            return (live.storages, sorted(live.storage_of.values()), live.byteless, live.unreadable, live.sizes,
+                    live.records())
         finally:
             live.release()
 
-    in_bulk = grouped()
-    def one_by_one(dense, reader, device, groups, *rest):
-        tracker._group_each(dense, reader, device, groups, *rest)
+    in_bulk, own_in_bulk = grouped(), grouped(own_tensors)
+    def one_by_one(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts, bulk):
+        tracker._group_each(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts)
         tracker._drop_placeholders(groups)
 
     monkeypatch.setattr(tracker, "_group_dense", one_by_one)
-    assert grouped() == in_bulk
-    storages, _, byteless, _ = in_bulk
+    assert grouped() == in_bulk and grouped(own_tensors) == own_in_bulk
+    assert [r.key for r in own_in_bulk[-1]] == [*(t.untyped_storage()._cdata for t in own), alone._cdata]
+    assert own_in_bulk[4] == {r.key: r.bytes for r in own_in_bulk[-1]} and own_in_bulk[4][alone._cdata] == 24
+    storages, _, byteless, _, _, _ = in_bulk
     assert storages[base.untyped_storage()._cdata].tensor_count == 3
     assert storages[base.untyped_storage()._cdata].shape == (40, 10)
     assert byteless == 3  # the meta tensor and the two views of the empty storage
