@@ -20,7 +20,8 @@ from ..device.mapped import file_mappings, mapped_bytes
 from ..records.snapshot import OTHER, STALE_KINDS, TRACEBACK, HolderKind, StorageRecord
 from .release import clear_frames, empty_cache, forget_last_exception, trim_c_heap
 from .roots import Roots, collect_roots, current_shell, is_user_name, user_owned_unders, variable_path
-from .tracker import LiveTensors, find_tensors, tensor_types
+from .storages import LiveTensors, tensor_types
+from .tracker import find_tensors
 
 __all__ = ["FreeReport", "StillHeld", "free_stale"]
 

@@ -20,7 +20,7 @@ import weakref
 from typing import Any
 
 from .referrers import referrers_of
-from .tracker import LiveTensors
+from .storages import LiveTensors
 
 # The garbage found by the last searches, a group per search: weak references to its members that
 # take one, the ids of all its members, and the storages it held. Never a strong reference.

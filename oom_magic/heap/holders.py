@@ -23,7 +23,8 @@ from collections.abc import Iterable
 
 from ..records.snapshot import GARBAGE, OTHER, OUTPUT_CACHE, STALE_KINDS, TRACEBACK, USER, HolderKind
 from .roots import Roots
-from .tracker import LiveTensors, gc_paused, group_storages, pins_nothing, storage_types
+from .storages import LiveTensors, group_storages, storage_types
+from .tracker import gc_paused, pins_nothing
 from .walk import Root, Walk
 from .names import Namer
 from .path_text import render

@@ -28,7 +28,7 @@ from itertools import compress, repeat
 from typing import Any
 
 from .reads import MISSING, module_dict, type_dict
-from .tracker import LiveTensors
+from .storages import LiveTensors
 
 # storage key -> (weak reference to the chain's top, ids below it down to the tensor, the text).
 _CHAINS: dict[int, tuple[weakref.ref, tuple[int, ...], str]] = {}

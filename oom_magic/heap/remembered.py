@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from .reads import MISSING, mro_has
 from .resolve import column_form, resolve, resolve_columns
 from .roots import Roots
-from .tracker import LiveTensors
+from .storages import LiveTensors
 
 
 def _variables(roots: Roots) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from oom_magic.heap import tracker
+from oom_magic.heap import storages as heap_storages
 from oom_magic.heap.holders import Holder
 from oom_magic.heap.reads import MISSING
 from oom_magic.heap.remembered import RememberedPaths
@@ -133,7 +133,7 @@ def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
     tensors = [base, base[3], base[5:9], torch.ones(7, dtype=torch.float16), empty, empty[0:0],
                torch.empty(4, device="meta"), torch.eye(5).to_sparse(), torch.ones(3).untyped_storage(),
                torch.nn.Parameter(torch.ones(2, 2))]
-    types = tracker.tensor_types(torch)
+    types = heap_storages.tensor_types(torch)
 
     # Each its own storage: grouped as columns (no row each), a storage held alone after them.
     own = [torch.ones(3), torch.zeros(2, dtype=torch.float16), torch.nn.Parameter(torch.ones(5))]
@@ -141,7 +141,7 @@ def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
     own_tensors = [*own, alone, *(t.untyped_storage() for t in own)]  # and the storage objects a read leaves
 
     def grouped(tensors=tensors):
-        live = tracker.group_storages(list(tensors), types)
+        live = heap_storages.group_storages(list(tensors), types)
         try:
             return (live.storages, sorted(live.storage_of.values()), live.byteless, live.unreadable, live.sizes,
                     live.records())
@@ -149,11 +149,11 @@ def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
             live.release()
 
     in_bulk, own_in_bulk = grouped(), grouped(own_tensors)
-    def one_by_one(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts, bulk):
-        tracker._group_each(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts)
-        tracker._drop_placeholders(groups)
+    def one_by_one(dense, figures, reader, device, groups, claimed, kept, storage_of, device_names, counts, bulk):
+        heap_storages._group_each(dense, reader, device, groups, claimed, kept, storage_of, device_names, counts)
+        heap_storages._drop_placeholders(groups)
 
-    monkeypatch.setattr(tracker, "_group_dense", one_by_one)
+    monkeypatch.setattr(heap_storages, "_group_dense", one_by_one)
     assert grouped() == in_bulk and grouped(own_tensors) == own_in_bulk
     assert [r.key for r in own_in_bulk[-1]] == [*(t.untyped_storage()._cdata for t in own), alone._cdata]
     assert own_in_bulk[4] == {r.key: r.bytes for r in own_in_bulk[-1]} and own_in_bulk[4][alone._cdata] == 24
@@ -163,9 +163,31 @@ def test_grouping_in_c_level_passes_equals_grouping_one_by_one(monkeypatch):
     assert byteless == 3  # the meta tensor and the two views of the empty storage
 
 
+def test_a_meta_or_sparse_tensor_past_the_first_chunk_sends_them_all_one_by_one(monkeypatch):
+    # Read a chunk at a time: the chunk holding a meta and a sparse tensor is not the first.
+    many = [torch.full((1,), float(i)) for i in range(heap_storages.CHUNK + 3)]
+    odd = [torch.empty(2, device="meta"), torch.eye(3).to_sparse()]
+    tensors = [*many, *odd, *(torch.ones(2) for _ in range(3))]
+    types = heap_storages.tensor_types(torch)
+
+    def grouped(tensors=tensors):
+        live = heap_storages.group_storages(list(tensors), types)
+        try:
+            return live.storages, live.byteless, live.unreadable, live.sizes
+        finally:
+            live.release()
+
+    by_chunks, dense_by_chunks = grouped(), grouped(many)
+    monkeypatch.setattr(heap_storages, "CHUNK", len(tensors) + 1)  # one chunk: the same answer
+    assert grouped() == by_chunks and grouped(many) == dense_by_chunks
+    records, byteless, unreadable, sizes = by_chunks
+    assert byteless == 1 and unreadable == 0 and len(records) == len(many) + 1 + 3
+    assert records[heap_storages._Reader(torch).key(many[-1])].shape == (1,) and set(sizes) == set(records)
+
+
 def test_a_device_asked_about_leaves_the_others_out():
     tensors = [torch.ones(4), torch.ones(4)[1:]]
-    live = tracker.group_storages(list(tensors), tracker.tensor_types(torch), "cuda:0")
+    live = heap_storages.group_storages(list(tensors), heap_storages.tensor_types(torch), "cuda:0")
     assert live.storages == {} and live.tensors == [] and live.byteless == 0
 
 

@@ -167,12 +167,12 @@ def test_a_row_class_with_a_dict_property_is_never_read_in_bulk():
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_scan_pauses_automatic_collection_and_puts_it_back(enabled: bool, monkeypatch):
     """A scan allocates a record per storage: with the collector on, that would start full collections."""
-    from oom_magic.heap import tracker, walk
+    from oom_magic.heap import storages, walk
 
     during: list[bool] = []
     # The engine never calls a subclass's methods any more (no user code runs), so the collector's
     # state is noted by wrapping the engine's own steps: grouping storages and expanding a level.
-    no_subclass_code = tracker._Reader.no_subclass_code
+    no_subclass_code = storages._Reader.no_subclass_code
     expand = walk.Walk._expand
 
     def noting_grouping(self):
@@ -183,7 +183,7 @@ def test_a_scan_pauses_automatic_collection_and_puts_it_back(enabled: bool, monk
         during.append(gc.isenabled())
         return expand(self, level)
 
-    monkeypatch.setattr(tracker._Reader, "no_subclass_code", noting_grouping)
+    monkeypatch.setattr(storages._Reader, "no_subclass_code", noting_grouping)
     monkeypatch.setattr(walk.Walk, "_expand", noting_expand)
     spy = [torch.ones(3)]
     forget_paths()  # a path remembered from an earlier scan would need no walk
