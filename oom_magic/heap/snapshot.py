@@ -69,8 +69,7 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
     try:
         holders = attribution.holders
         storages = tuple(live.records(holders))
-        # Each storage's size and address as found (in the records' order): read without a record each.
-        sizes, addresses = (list(live.columns[2]), list(live.columns[6])) if live.columns else ([], [])
+        sizes, addresses = live.sizes_and_addresses()  # in the records' order, read without a record each
     finally:
         live.release()
     notes: list[str] = []

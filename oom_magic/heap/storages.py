@@ -48,6 +48,10 @@ class LiveTensors:
         ``kind`` and ``path``) says, else by "other" with no path."""
         return storage_records(*self.columns, holders=holders) if self.columns else []
 
+    def sizes_and_addresses(self) -> tuple[list[int], list[int]]:
+        """Each storage's bytes and data address, in the order of ``records()``."""
+        return (list(self.columns[2]), list(self.columns[6])) if self.columns else ([], [])
+
     @cached_property
     def storages(self) -> dict[int, StorageRecord]:
         """storage key -> its record, held by no one yet (made on first use: a scan makes its own with
