@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..records.snapshot import StorageRecord, storage_records
 
+# Types whose tensors hold no real bytes of their own (fake/functional wrappers).
 _BYTELESS_TYPE_NAMES = frozenset({"FakeTensor", "FunctionalTensor"})
 
 
@@ -59,7 +60,6 @@ class LiveTensors:
         return dict(zip(self.columns[0], self.records())) if self.columns else {}
 
 
-
 def tensor_types(torch: ModuleType) -> frozenset[type]:
     """Return torch.Tensor and all its subclasses (Parameter, quantized and wrapper subclasses)."""
     return frozenset(_subclasses(torch.Tensor))
@@ -83,7 +83,6 @@ def storage_types(torch: ModuleType) -> list[type]:
     """torch.UntypedStorage and its subclasses: a storage held on its own, without a tensor."""
     base = getattr(torch, "UntypedStorage", None)
     return _subclasses(base) if isinstance(base, type) else []
-
 
 
 def group_storages(tensors: list[Any], types: frozenset[type], device: str | None = None,
