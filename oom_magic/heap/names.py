@@ -402,15 +402,11 @@ class Namer:
     def _pandas_column(self, forward: list[int], at: int) -> Step | None:
         """``('pandas', column, row)`` where the path goes from a DataFrame through a block's values.
 
-        Read through pandas' own attributes (library code, exact DataFrame type only); any doubt
-        and the path is shown link by link instead.
+        Asked by ``steps`` only where ``forward[at]``'s parent is exactly pandas' DataFrame and four more
+        links follow. Read through pandas' own attributes (library code); any doubt and the path is
+        shown link by link instead.
         """
-        if at + 4 >= len(forward):
-            return None
         frame: Any = self.parent_of.get(forward[at])
-        cls = type(frame)
-        if type_name(cls) != "DataFrame" or getattr(sys.modules.get("pandas"), "DataFrame", None) is not cls:
-            return None
         try:
             parent_of = self.parent_of
             block, array = parent_of[forward[at + 3]], parent_of[forward[at + 4]]

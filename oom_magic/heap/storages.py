@@ -140,7 +140,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         _group_dense(dense, figures, reader, device, groups, claimed, kept, storage_of, device_names, counts, bulk)
         dense.clear()
         del figures
-        in_bulk = dict(zip(bulk[0], bulk[2])) if bulk else {}  # key -> bytes: the LiveTensors' sizes
+        sizes = dict(zip(bulk[0], bulk[2])) if bulk else {}  # key -> bytes: the bulk groups' now, every one's at the end
         # A storage object counts only for a storage no tensor views (one held on its own); the
         # ones a tensor's storage() call left behind are not holders.
         # A storage sliced into others counts only the bytes no counted storage covers: each byte
@@ -152,7 +152,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         counted: _Ranges | None = None
         try:  # most are the storage objects of counted tensors: dropped by key in one pass
             storage_keys = list(map(reader.cdata, bare_storages))
-            for grouped in (in_bulk, groups):
+            for grouped in (sizes, groups):
                 unseen = list(map(operator.not_, map(grouped.__contains__, storage_keys)))
                 bare_storages[:] = compress(bare_storages, unseen)
                 storage_keys[:] = compress(storage_keys, unseen)
@@ -161,7 +161,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         for storage in bare_storages:
             try:
                 key = int(reader.cdata(storage))
-                if key in groups or key in claimed or key in in_bulk:
+                if key in groups or key in claimed or key in sizes:
                     continue
                 key, nbytes, where = reader.bare_storage(storage, device_names)
             except Exception:
@@ -186,10 +186,9 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
         bare_storages.clear()
         columns = _columns(groups, reader, bulk)
     bulk.clear()
-    if groups:
-        in_bulk.update((key, group[1]) for key, group in groups.items())
+    sizes.update((key, group[1]) for key, group in groups.items())
     groups.clear()
-    return LiveTensors(kept, storage_of, in_bulk, objects_scanned, counts[0], counts[1], columns)
+    return LiveTensors(kept, storage_of, sizes, objects_scanned, counts[0], counts[1], columns)
 
 
 def _sort_kinds(tensors: list[Any], reader: _Reader, byteless_types: frozenset[int], bare: frozenset[int],
@@ -337,8 +336,7 @@ def _columns(groups: dict[int, list[Any]], reader: _Reader, bulk: list[list[Any]
     columns: tuple[Sequence[Any], ...] = ()
     if bulk:
         keys, wheres, sizes, _, addresses, dtypes, shapes = bulk
-        names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
-        columns = (keys, wheres, sizes, list(map(names.__getitem__, dtypes)), shapes, [1] * len(keys), addresses)
+        columns = (keys, wheres, sizes, _dtype_names(dtypes), shapes, [1] * len(keys), addresses)
     if not groups:
         return columns
     rows = _row_columns(groups, reader)
@@ -353,9 +351,7 @@ def _row_columns(groups: dict[int, list[Any]], reader: _Reader) -> tuple[Sequenc
     read_in_bulk = None
     if not any(map(operator.is_, named, repeat(None))):  # a bare storage has no tensor to read
         try:
-            dtypes = list(map(reader.dtype, named))
-            names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
-            read_in_bulk = list(map(names.__getitem__, dtypes)), list(map(tuple, map(reader._shape, named)))
+            read_in_bulk = _dtype_names(list(map(reader.dtype, named))), list(map(tuple, map(reader._shape, named)))
         except Exception:
             pass
     if read_in_bulk is not None:
@@ -514,6 +510,12 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def _dtype_names(dtypes: list[Any]) -> list[str]:
+    """``float32`` for ``torch.float32``, each distinct dtype formatted once."""
+    names = {d: str(d).removeprefix("torch.") for d in set(dtypes)}
+    return list(map(names.__getitem__, dtypes))
 
 
 def _dtype_name(tensor: Any, names: dict[Any, str], reader: _Reader | None) -> str:
