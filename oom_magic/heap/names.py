@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 
 from .path_text import MAX_SHOWN_STEPS, Step
 from .walk import Root, Walk
-from .reads import (MISSING, array_items, attribute_getter, attribute_reader, deque_iter, deque_type, find_referent,
-                    instance_attributes, instance_dict_if_present, is_plain_key, mapping_items, mro_has,
+from .reads import (MISSING, array_items, attribute_getter, deque_iter, deque_type, find_referent,
+                    instance_attributes, instance_dict_if_present, is_plain_key, links_named, mapping_items, mro_has,
                     plain_dict_slot, qualname, type_mro, type_name)
 
 # A suspended generator's (coroutine's) frame, read through its type's own getter.
@@ -27,6 +27,8 @@ _GEN_FRAME_OF = {cls: cls.__dict__[name].__get__ for cls, name in _GEN_FRAME.ite
 _ENDS = 24
 # A long path's depth and runs are memoised every this many links (a climb stops at the nearest).
 _MEMO_EVERY = 64
+# A run of one attribute is climbed this many links at a time (their owners read in one pass).
+_RUN_BLOCK = 4096
 # A dict this small is searched for the one child asked about, with nothing cached for its siblings.
 _SMALL = 16
 
@@ -53,9 +55,9 @@ class Namer:
         self._candidates: dict[int, list[str]] = {}
         self._getters: dict[tuple[int, str], Callable[[Any], Any]] = {}  # the MRO read once per type and name
         self._depth: dict[int, tuple[int, int, Root]] = {}  # id -> (depth, anchor id, root)
+        self._last_climb: tuple[list[int], list[Any]] = ([], [])  # _depth_of's last: node ids, their parents
         self._runs: dict[int, tuple[str, int]] = {}  # id -> (attribute, links of it ending here)
         self._pair_runs: dict[int, tuple[str, int]] = {}  # the same, each link an instance's __dict__ and key
-        self._readers: dict[tuple[int, str], Any] = {}  # (id(type), attribute) -> its reader
         self._data_frame = _loaded_data_frame()  # a path through one is shown df['col'].iloc[i]
 
     def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
@@ -163,6 +165,7 @@ class Namer:
         """(links from the root, id of the ancestor _ENDS links down, the root), memoised on the way up."""
         memo, parent = self._depth, self.parent_of
         climbed: list[int] = []
+        owners: list[Any] = []  # each climbed node's parent: the run check reads them (_run_length)
         node = obj_id
         while node not in memo:
             up = parent.get(node)
@@ -172,7 +175,9 @@ class Namer:
                 memo[node] = (0, -1, up)
                 break
             climbed.append(node)
+            owners.append(up)
             node = id(up)
+        self._last_climb = (climbed, owners)
         top, anchor, root = memo[node]
         # climbed[i] lies top + len(climbed) - i links down: the anchor and the memos are picked by
         # index (sparse: memory stays a fraction of the walk's own), with no step per link.
@@ -203,46 +208,80 @@ class Namer:
         ``through_dict``: each ``.name`` is two links, the owner's ``__dict__`` and its key (3.10 keeps an
         instance's attributes there): how many such pairs.
         """
-        runs, parent, readers = (self._pair_runs if through_dict else self._runs), self.parent_of, self._readers
+        if not through_dict:
+            below, owners = self._last_climb
+            # The depth's climb just passed here (the list's nodes below the last path named): its
+            # owners are read again, not climbed again.
+            at = below.index(obj_id) if obj_id in below[:_ENDS * 2] else -1
+            if at < 0 or not owners:
+                return self._attribute_run(obj_id, name)
+            named = links_named(owners, below, name, at)
+            above = self._attribute_run(id(owners[-1]), name) if named == len(below) - at else 0
+            return self._memo_run(self._runs, name, below, above, at, at + named)
+        runs, parent = self._pair_runs, self.parent_of
         climbed: list[int] = []
         node = obj_id
         length = 0
-        last: type | None = None  # a list's nodes share one type: its reader is looked up once
-        reader: Any = None
         while True:
             known = runs.get(node)
             if known is not None and known[0] == name:
                 length = known[1]
                 break
             up = parent.get(node)
-            expected = node  # what the owner's read must give: the node, or (3.10) the dict holding it
-            if through_dict:  # the node is a value of its owner's __dict__: the owner is one link further
-                if type(up) is not dict or id(dict.get(up, name, MISSING)) != node:
-                    break
-                expected, up = id(up), parent.get(id(up))
-            if up is None or type(up) is Root:
+            # The node is a value of its owner's __dict__: the owner is one link further.
+            if type(up) is not dict or id(dict.get(up, name, MISSING)) != node:
                 break
-            cls = type(up)
-            if cls is not last:
-                if through_dict:
-                    reader = _own_dict if plain_dict_slot(cls) else None
-                else:
-                    reader = readers.get((id(cls), name), MISSING)
-                    if reader is MISSING:
-                        reader = readers[(id(cls), name)] = attribute_reader(cls, name)
-                        self._shape_types.append(cls)  # keeps the type whose id keys the reader alive
-                last = cls
+            owner = parent.get(id(up))
+            if owner is None or type(owner) is Root or not plain_dict_slot(type(owner)):
+                break
             try:
-                if reader is None or id(reader(up)) != expected:
+                if id(_own_dict(owner)) != id(up):
                     break
             except Exception:
                 break
             climbed.append(node)
-            node = id(up)
-        # climbed[i] ends a run of length + len(climbed) - i links: memos picked by index, as in _depth_of.
-        total = length + len(climbed)
-        for at in range(total % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
-            runs[climbed[at]] = (name, total - at)
+            node = id(owner)
+        return self._memo_run(runs, name, climbed, length)
+
+    def _attribute_run(self, obj_id: int, name: str) -> int:
+        """``_run_length`` of plain ``.name`` links: climbed a block at a time, each block's owners read
+        in one C-level pass per class (a 200,000-node list: no call per node)."""
+        runs, parent = self._runs, self.parent_of
+        climbed: list[int] = []
+        node = obj_id
+        length = 0
+        while True:
+            start = len(climbed)
+            owners: list[Any] = []
+            while len(owners) < _RUN_BLOCK:
+                known = runs.get(node)
+                if known is not None and known[0] == name:
+                    length = known[1]
+                    break
+                up = parent.get(node)
+                if up is None or type(up) is Root:
+                    break
+                climbed.append(node)
+                owners.append(up)
+                node = id(up)
+            named = start + links_named(owners, climbed[start:], name)
+            if named < len(climbed):  # a link that is not .name ends the run there
+                del climbed[named:]
+                length = 0
+                break
+            if len(owners) < _RUN_BLOCK:
+                break
+        return self._memo_run(runs, name, climbed, length)
+
+    @staticmethod
+    def _memo_run(runs: dict[int, tuple[str, int]], name: str, climbed: list[int], length: int, start: int = 0,
+                  end: int | None = None) -> int:
+        """The run's length at ``climbed[start]``, the run being ``climbed[start:end]`` then ``length`` links
+        above; memoised by index, as in ``_depth_of`` (climbed[i] ends a run of ``total - i + start``)."""
+        end = len(climbed) if end is None else end
+        total = length + end - start
+        for at in range(start + total % _MEMO_EVERY, end, _MEMO_EVERY):
+            runs[climbed[at]] = (name, total - at + start)
         return total
 
     def _link(self, parent: Any, child_id: int) -> list[Step]:
@@ -494,9 +533,9 @@ class Namer:
     def clear(self) -> None:
         self._links.clear()
         self._depth.clear()
+        self._last_climb = ([], [])
         self._runs.clear()
         self._pair_runs.clear()
-        self._readers.clear()
         self.parent_of.clear()
         self._reverse.clear()
         self._shapes.clear()
@@ -520,6 +559,7 @@ def _loaded_data_frame() -> type | None:
 def _own_dict(obj: Any) -> Any:
     """The instance's own ``__dict__``, for a class whose ``__dict__`` is CPython's slot (no code runs)."""
     return object.__getattribute__(obj, "__dict__")
+
 
 
 def _visible(step: Step) -> bool:

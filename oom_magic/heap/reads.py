@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import collections
 import gc
+import operator
 import types
-from itertools import repeat
+from itertools import compress, count, islice, repeat
 from typing import Any
 from collections.abc import Callable
 
@@ -201,3 +202,44 @@ def attribute_column(cls: type, name: str, objs: list[Any]) -> list[Any] | None:
     if source == "member" or source == "exception":
         return list(map(found.__get__, objs, repeat(cls)))
     return list(map(object.__getattribute__, objs, repeat(name))) if source == "own" else None
+
+
+# Owners read in one C-level pass at most this many at a time (the list of values read is kept meanwhile).
+_READ_BLOCK = 4096
+
+
+def links_named(owners: list[Any], children: list[int], name: str, at: int = 0) -> int:
+    """How many ``owners`` from ``at`` on hold the object of the same place in ``children`` (ids) as
+    ``.name``, read without running code: a class's run of owners in C-level passes of a block each."""
+    start, end_all = at, len(owners)
+    while at < end_all:
+        cls = type(owners[at])
+        end = next(compress(count(at), map(operator.is_not, map(type, islice(owners, at, at + _READ_BLOCK)),
+                                           repeat(cls))), min(at + _READ_BLOCK, end_all))
+        if attribute_source(cls, name)[0] not in ("member", "own"):  # as attribute_reader: read only where no code runs
+            return at - start
+        try:
+            values = attribute_column(cls, name, owners[at:end])
+        except AttributeError:  # one owner lacks it: the run ends at that owner
+            values = _read_until_missing(cls, name, owners[at:end])
+        if values is None:
+            return at - start
+        bad = next(compress(count(at), map(operator.ne, map(id, values), islice(children, at, end))), None)
+        if bad is not None or len(values) < end - at:
+            return (bad if bad is not None else at + len(values)) - start
+        at = end
+    return end_all - start
+
+
+def _read_until_missing(cls: type, name: str, owners: list[Any]) -> list[Any] | None:
+    """``.name`` of each owner up to the first that has none (``attribute_reader``'s reads)."""
+    reader = attribute_reader(cls, name)
+    if reader is None:
+        return None
+    values = []
+    for owner in owners:
+        try:
+            values.append(reader(owner))
+        except AttributeError:
+            break
+    return values

@@ -49,6 +49,13 @@ from .reads import array_items, function_dict, mro_has
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
 NARROW = 4
+# How a segment's parents sit: a level's (none among its ids), a followed chain's (each but the first
+# is one of its ids).
+LEVELS, CHAIN = 0, 1
+
+
+class _Several(list):
+    """The objects one link of a chain reached, where it reached more than one (never a user's list)."""
 
 
 class Root:
@@ -88,9 +95,9 @@ class Walk:
         self._skip = frozenset(map(id, self._pinned))
         self.visited: set[int] = set(self._skip)  # never entered: the skipped objects
         self.roots: dict[int, Root] = {}
-        # (ids, their parents: a list or a Parents, whether a parent may sit in the same segment): a
+        # (ids, their parents: a list or a Parents, how parents sit: LEVELS or CHAIN): a
         # parent is always reached before its children, so one backwards pass finds every ancestor.
-        self._segments: list[tuple[list[int], list[Any] | Parents, bool]] = []
+        self._segments: list[tuple[list[int], list[Any] | Parents, int]] = []
         self.wanted = wanted if wanted is not None else {}
         self._wanted_ids = set(self.wanted)
         self.storages_left = len(set(self.wanted.values()))
@@ -177,53 +184,84 @@ class Walk:
     def _narrow(self, level: list[Any]) -> list[Any]:
         """Levels of a few objects (a linked list, a deep chain) one object at a time: the bulk
         passes cost microseconds per level whatever its width, a 200,000-deep chain seconds."""
-        visited, cats, is_tracked, nd_id = self.visited, self._cats, gc.is_tracked, self._nd_id
-        wanted_ids, collect, plain = self._wanted_ids, self.collect, (GENERIC, RECORD)
-        seg_ids: list[int] = []
-        seg_parents: list[Any] = []
-
-        def flush() -> None:
-            nonlocal seg_ids, seg_parents
-            if seg_ids:
-                self._segments.append((seg_ids, seg_parents, True))
-                self.nodes += len(seg_ids)
-                seg_ids, seg_parents = [], []
-
-        steps = 0
-        # Per object as little as can be: nodes are counted per segment, and whether the walk is
-        # done is asked only after a wanted tensor was met (a 200,000-node list asks 500 times).
-        while level and len(level) <= NARROW:
+        while level and len(level) <= NARROW and self.complete and not self.done:
+            if len(level) == 1:
+                level = self._follow(level[0])
+                continue
             following: list[Any] = []
-            met_wanted = False
             for obj in level:
-                kids = gc.get_referents(obj) if cats.get(id(type(obj))) in plain else None
-                if kids is None or len(kids) > 64:  # not a plain object, or a big one: the bulk passes
-                    flush()  # they append segments of their own: keep parents first
-                    kids, parents, once = self._expand([obj])
-                    if self._mark_slices(kids, parents, once, following):
-                        return following
-                    continue
+                following.extend(self._follow(obj, links=1))
+            level = following
+        return level
+
+    def _follow(self, obj: Any, links: int = -1) -> list[Any]:
+        """Follow a chain of plain objects (a linked list's nodes) while each holds exactly one object
+        not reached before, at most ``links`` links (-1: no end): no level list per link, and whether
+        the walk is done asked only after a wanted tensor was met. Returns the level where it stops:
+        none, several objects, the last one reached, or what the bulk passes read from one that is
+        not plain (or big)."""
+        visited, cats, is_tracked, ndarray = self.visited, self._cats, gc.is_tracked, self.ndarray
+        wanted_ids, collect, get_referents = self._wanted_ids, self.collect, gc.get_referents
+        last_class, record = None, False  # a list's nodes share one class: looked up once
+        level: list[Any] | None = None
+        bulk = False
+        while level is None and not bulk:
+            ids: list[int] = []
+            parents: list[Any] = []
+            for _ in range(256):  # a segment of links, then the clock
+                cls = type(obj)
+                if cls is not last_class:
+                    cat = cats.get(id(cls))
+                    if cat != RECORD and cat != GENERIC:
+                        bulk = True
+                        break
+                    last_class, record = cls, cat == RECORD
+                    if record:
+                        visited.add(id(cls))
+                kids = get_referents(obj)
+                if len(kids) > 64:
+                    bulk = True
+                    break
+                if record and kids and kids[-1] is cls:  # a record's class ends its traversal: never entered
+                    kids.pop()
+                following: Any = None  # the one new object; a _Several once there are more
+                met_wanted = False
                 for kid in kids:
-                    kid_id = id(kid)
-                    if kid_id not in visited and (is_tracked(kid) or id(type(kid)) == nd_id):
+                    if is_tracked(kid) or type(kid) is ndarray:  # atoms (a node's int) first: no id made
+                        kid_id = id(kid)
+                        if kid_id in visited:
+                            continue
                         visited.add(kid_id)
-                        seg_ids.append(kid_id)
-                        seg_parents.append(obj)
-                        following.append(kid)
+                        ids.append(kid_id)
+                        parents.append(obj)
+                        if following is None:
+                            following = kid
+                        elif type(following) is _Several:
+                            following.append(kid)
+                        else:
+                            following = _Several((following, kid))
                         if kid_id in wanted_ids:
                             self._note_wanted((kid_id,))
                             met_wanted = True
                         if collect is not None and id(type(kid)) in collect:
                             self.met.append(kid)
-            level = following
-            steps += 1
-            if met_wanted and self.done:
-                break
-            if steps & 255 == 0:
-                flush()
-                if self._out_of_budget():
+                if following is None or type(following) is _Several:
+                    level = list(following) if following is not None else []
                     break
-        flush()
+                obj = following
+                links -= 1
+                if links == 0 or (met_wanted and self.done):
+                    level = [obj]
+                    break
+            if ids:
+                self._segments.append((ids, parents, CHAIN))
+                self.nodes += len(ids)
+                if self._out_of_budget():
+                    return level if level is not None else [obj]
+        if level is None:  # not a plain object, or a big one: the bulk passes read it
+            level = []
+            kids, parents_, once = self._expand([obj])
+            self._mark_slices(kids, parents_, once, level)
         return level
 
     def seen(self, obj_id: int) -> bool:
@@ -245,21 +283,19 @@ class Walk:
             elif i in self.visited and i not in self._skip:
                 wanted.add(i)
 
-        for seg_ids, seg_parents, chained in reversed(self._segments):
+        for seg_ids, seg_parents, how in reversed(self._segments):
             if not wanted:
                 break
-            if chained:  # a deep chain: one parent after another, inline (200,000 calls cost more)
-                for at in range(len(seg_ids) - 1, -1, -1):
-                    i = seg_ids[at]
-                    if i in wanted:
-                        parent = seg_parents[at]
-                        result[i] = parent
-                        wanted.discard(i)
-                        up = id(parent)
-                        if up in roots:
-                            result[up] = roots[up]
-                        elif up not in result:
-                            wanted.add(up)
+            if how == CHAIN:  # a deep chain: its parents sit in the segment itself, so all of it is taken
+                if wanted.isdisjoint(seg_ids):
+                    continue
+                result.update(zip(seg_ids, seg_parents))  # each id once in a walk: nothing overwritten
+                wanted.difference_update(seg_ids)
+                up = id(seg_parents[0])  # the one parent from before the segment
+                if up in roots:
+                    result[up] = roots[up]
+                elif up not in result:
+                    wanted.add(up)
             else:
                 hit = list(map(wanted.__contains__, seg_ids))
                 if not any(hit):
@@ -387,12 +423,12 @@ class Walk:
             flat = gc.get_referents(*objs)
             count, cls = len(objs), type(objs[0])
             each = len(flat) // count
-            if each and len(flat) == each * count and all(map(operator.is_, flat[each - 1::each], repeat(cls))) \
-                    and sum(map(operator.is_, flat, repeat(cls))) == count:
+            if each and len(flat) == each * count and all(map(operator.is_, flat[each - 1::each], repeat(cls))):
                 del flat[each - 1::each]
-                self.visited.update(classes)
-                self._extend(kids, parents, once, objs, flat, repeat(each - 1, count), ONCE_ITERATED)
-                return
+                if not any(map(operator.is_, flat, repeat(cls))):  # the class nowhere else: the split holds
+                    self.visited.update(classes)
+                    self._extend(kids, parents, once, objs, flat, repeat(each - 1, count), ONCE_ITERATED)
+                    return
             del flat
         lists = list(map(gc.get_referents, objs))
         self._drop_classes(objs, lists, classes)
@@ -509,7 +545,7 @@ class Walk:
             kids = list(compress(kids, keep))  # a child twice in one slice is expanded twice (harmless)
         if not ids:
             return []
-        self._segments.append((ids, parents, False))
+        self._segments.append((ids, parents, LEVELS))
         self.nodes += len(ids)
         if self.wanted:
             self._note_wanted(ids)

@@ -197,3 +197,45 @@ def test_memoised_depths_and_runs_are_those_of_a_climb_from_each_object_alone():
         namer.clear()
     finally:
         walk.release()
+
+
+class SlotLink:
+    __slots__ = ("next", "value")
+
+    def __init__(self, value: object, following: object) -> None:
+        self.value = value
+        self.next = following
+
+
+class ComputedLink:
+    """A node whose ``next`` is a property (reading it would run code): it holds the rest elsewhere."""
+
+    def __init__(self, following: object) -> None:
+        self._following = following
+        self.value = None
+
+    @property
+    def next(self) -> object:
+        raise AssertionError("a property was read")
+
+
+def test_a_run_read_a_class_at_a_time_spans_classes_and_ends_at_a_node_whose_next_is_a_property():
+    """A list of plain nodes, then slotted ones: the run of ``.next`` crosses the change of class (each
+    class's owners read in one pass). A node whose ``next`` is a property ends a run, never read."""
+    marker = [0]
+    tail: object = SlotLink(marker, None)
+    for _ in range(299):
+        tail = SlotLink(0, tail)
+    for _ in range(300):
+        tail = Link(0, tail)
+    inner = [1]
+    head: object = ComputedLink(Link(inner, None))
+    for _ in range(300):
+        head = Link(0, head)
+    walk = _walk({"plain": tail, "computed": head}, [marker, inner])
+    try:
+        names = _named(walk, [id(marker), id(inner)])
+        assert names[id(marker)] == "plain(.next ×599).value"
+        assert names[id(inner)] == "computed(.next ×300)._following.value"
+    finally:
+        walk.release()
