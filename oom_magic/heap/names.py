@@ -57,7 +57,7 @@ class Namer:
         self._depth: dict[int, tuple[int, int, Root]] = {}  # id -> (depth, anchor id, root)
         self._last_climb: tuple[list[int], list[Any]] = ([], [])  # _depth_of's last: node ids, their parents
         self._runs: dict[int, tuple[str, int]] = {}  # id -> (attribute, links of it ending here)
-        self._pair_runs: dict[int, tuple[str, int]] = {}  # the same, each link an instance's __dict__ and key
+        self._mixed_runs: dict[int, tuple[str, int, int]] = {}  # id -> (attribute, links, steps): a mixed run
         self._data_frame = _loaded_data_frame()  # a path through one is shown df['col'].iloc[i]
 
     def steps(self, obj_id: int) -> tuple[Root | None, tuple[Step, ...]]:
@@ -111,31 +111,26 @@ class Namer:
         hidden = depth - used_head - used_tail
         last_hidden = tail_ids[-used_tail - 1] if used_tail < len(tail_ids) else None
         same = link_of(last_hidden) if last_hidden is not None else ()
-        if (last_hidden is not None and len(same) == 1 and same[0][0] == "attr"
-                and self._run_length(last_hidden, same[0][1]) >= hidden):
-            # The middle repeats one attribute (a linked list's .next): one run with the ends' repeats.
-            while head and head[-1] == same[0]:
-                head.pop()
-                hidden += 1
-            while tail and tail[0] == same[0]:
-                tail.pop(0)
-                hidden += 1
-            return root, tuple(head + [("run", same[0][1], hidden)] + tail)
-        if last_hidden is not None and len(same) == 1 and same[0][0] == "key" and type(same[0][1]) is str \
-                and tail[:1] == [("",)]:
-            # 3.10: each attribute is two links, the instance's __dict__ and its key. Pairs from a pair's end.
-            pair, dangling = [("",), same[0]], head[-1:] == [("",)]  # the head may end between a dict and its key
-            middle = hidden + dangling
-            if middle % 2 == 0 and self._run_length(last_hidden, same[0][1], through_dict=True) * 2 >= middle:
-                if dangling:
+        if last_hidden is not None and len(same) == 1 and same[0][0] in ("attr", "key") and type(same[0][1]) is str \
+                and (same[0][0] == "attr" or tail[:1] == [("",)]):
+            name = same[0][1]
+            if same[0][0] == "attr" and self._run_length(last_hidden, name) >= hidden:
+                middle = hidden  # the middle repeats one attribute, each one link (a linked list's .next)
+            else:  # each .name one link (a slot, an inline value) or two (the instance's __dict__, then its key)
+                dangling = head[-1:] == [("",)]  # the head may end between a dict and its key
+                top = head_ids[used_head - 1 - dangling] if used_head > dangling else None
+                middle = self._mixed_middle(last_hidden, top, name, hidden + dangling)
+                if middle >= 0 and dangling:
                     head.pop()
-                while head[-2:] == pair:
-                    del head[-2:]
-                    middle += 2
-                while tail[:2] == pair:
-                    del tail[:2]
-                    middle += 2
-                return root, tuple(head + [("run", same[0][1], middle // 2)] + tail)
+            if middle >= 0:  # one run with the ends' repeats
+                single, pair = [("attr", name)], [("",), ("key", name)]
+                while head[-1:] == single or head[-2:] == pair:
+                    del head[-len(single if head[-1:] == single else pair):]
+                    middle += 1
+                while tail[:1] == single or tail[:2] == pair:
+                    del tail[:len(single if tail[:1] == single else pair)]
+                    middle += 1
+                return root, tuple(head + [("run", name, middle)] + tail)
         return root, tuple(head + [("elide", hidden)] + tail)
 
     def _link_of(self, child_id: int) -> tuple[Step, ...]:
@@ -202,46 +197,63 @@ class Namer:
         ids.reverse()
         return ids
 
-    def _run_length(self, obj_id: int, name: str, through_dict: bool = False) -> int:
-        """How many links up to ``obj_id`` are all ``.name`` (memoised: a list is climbed once).
+    def _run_length(self, obj_id: int, name: str) -> int:
+        """How many links up to ``obj_id`` are all ``.name`` (memoised: a list is climbed once)."""
+        below, owners = self._last_climb
+        # The depth's climb just passed here (the list's nodes below the last path named): its
+        # owners are read again, not climbed again.
+        at = below.index(obj_id) if obj_id in below[:_ENDS * 2] else -1
+        if at < 0 or not owners:
+            return self._attribute_run(obj_id, name)
+        named = links_named(owners, below, name, at)
+        above = self._attribute_run(id(owners[-1]), name) if named == len(below) - at else 0
+        return self._memo_run(self._runs, name, below, above, at, at + named)
 
-        ``through_dict``: each ``.name`` is two links, the owner's ``__dict__`` and its key (3.10 keeps an
-        instance's attributes there): how many such pairs.
-        """
-        if not through_dict:
-            below, owners = self._last_climb
-            # The depth's climb just passed here (the list's nodes below the last path named): its
-            # owners are read again, not climbed again.
-            at = below.index(obj_id) if obj_id in below[:_ENDS * 2] else -1
-            if at < 0 or not owners:
-                return self._attribute_run(obj_id, name)
-            named = links_named(owners, below, name, at)
-            above = self._attribute_run(id(owners[-1]), name) if named == len(below) - at else 0
-            return self._memo_run(self._runs, name, below, above, at, at + named)
-        runs, parent = self._pair_runs, self.parent_of
+    def _mixed_middle(self, bottom: int, top: int | None, name: str, links: int) -> int:
+        """How many ``.name`` the ``links`` links above ``bottom`` up to ``top`` are, or -1 where they are
+        not all ``.name`` (each one link, or two through an instance's ``__dict__``, as 3.10 keeps them)."""
+        if top is None:
+            return -1
+        below_links, below_names = self._mixed_run(bottom, name)
+        above_links, above_names = self._mixed_run(top, name)
+        # A run through ``top`` climbs on as one from ``top`` does; one stopping short is under ``links`` long.
+        return below_names - above_names if below_links - above_links == links else -1
+
+    def _mixed_run(self, obj_id: int, name: str) -> tuple[int, int]:
+        """(links, ``.name`` steps) of the run of ``.name`` up to ``obj_id``, each step one link (a slot,
+        an inline value) or two (the owner's own ``__dict__``, then its key); memoised as ``_memo_run``."""
+        runs, parent = self._mixed_runs, self.parent_of
         climbed: list[int] = []
-        node = obj_id
-        length = 0
+        marks: list[tuple[int, int]] = []  # (links, steps) from obj_id up to climbed[i]
+        node, links, names = obj_id, 0, 0
+        above_links = above_names = 0
         while True:
             known = runs.get(node)
             if known is not None and known[0] == name:
-                length = known[1]
+                above_links, above_names = known[1], known[2]
                 break
             up = parent.get(node)
-            # The node is a value of its owner's __dict__: the owner is one link further.
-            if type(up) is not dict or id(dict.get(up, name, MISSING)) != node:
+            if up is None or type(up) is Root:
                 break
-            owner = parent.get(id(up))
-            if owner is None or type(owner) is Root or not plain_dict_slot(type(owner)):
-                break
-            try:
-                if id(_own_dict(owner)) != id(up):
+            if type(up) is dict:  # the node is a value of its owner's own __dict__: the owner is one link further
+                owner = parent.get(id(up)) if id(dict.get(up, name, MISSING)) == node else None
+                if not _has_own_dict(owner, up):
                     break
-            except Exception:
+                up, width = owner, 2
+            elif links_named([up], [node], name):
+                width = 1
+            else:
                 break
             climbed.append(node)
-            node = id(owner)
-        return self._memo_run(runs, name, climbed, length)
+            marks.append((links, names))
+            links += width
+            names += 1
+            node = id(up)
+        links += above_links
+        names += above_names
+        for at in range(len(climbed) % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
+            runs[climbed[at]] = (name, links - marks[at][0], names - marks[at][1])
+        return links, names
 
     def _attribute_run(self, obj_id: int, name: str) -> int:
         """``_run_length`` of plain ``.name`` links: climbed a block at a time, each block's owners read
@@ -535,7 +547,7 @@ class Namer:
         self._depth.clear()
         self._last_climb = ([], [])
         self._runs.clear()
-        self._pair_runs.clear()
+        self._mixed_runs.clear()
         self.parent_of.clear()
         self._reverse.clear()
         self._shapes.clear()
@@ -556,10 +568,14 @@ def _loaded_data_frame() -> type | None:
     return found if type(found) is type else None
 
 
-def _own_dict(obj: Any) -> Any:
-    """The instance's own ``__dict__``, for a class whose ``__dict__`` is CPython's slot (no code runs)."""
-    return object.__getattribute__(obj, "__dict__")
-
+def _has_own_dict(owner: Any, attributes: dict) -> bool:
+    """Whether ``attributes`` is ``owner``'s own ``__dict__``, read through CPython's slot (no code runs)."""
+    if owner is None or type(owner) is Root or not plain_dict_slot(type(owner)):
+        return False
+    try:
+        return object.__getattribute__(owner, "__dict__") is attributes
+    except Exception:
+        return False
 
 
 def _visible(step: Step) -> bool:

@@ -239,3 +239,41 @@ def test_a_run_read_a_class_at_a_time_spans_classes_and_ends_at_a_node_whose_nex
         assert names[id(inner)] == "computed(.next ×300)._following.value"
     finally:
         walk.release()
+
+
+def _mixed_list(blocks: int, block: int) -> tuple[object, list[int]]:
+    """Blocks of plain nodes whose ``__dict__`` was made (each ``.next`` two links on 3.10-3.12: the
+    dict, then its key), slotted nodes (one link) and plain ones (one link on 3.11+), head first."""
+    marker = [0]
+    node: object = SlotLink(marker, None)
+    for b in range(blocks):
+        for _ in range(block):
+            node = SlotLink(0, node) if b % 3 == 1 else Link(0, node)
+            if b % 3 == 0:
+                vars(node)  # its attributes now live in a dict of its own
+    return node, marker
+
+
+def test_a_run_whose_links_are_one_or_two_apiece_counts_attributes_whatever_the_order():
+    """A run of ``.next`` where some nodes keep it in their own ``__dict__`` (two links) and others in a
+    slot or inline (one) says how many ``.next`` it is, not how many links; each path asked alone or
+    after others (memos of mixed runs) reads the same."""
+    heads, markers = [], []
+    for blocks in (4, 7, 9):
+        head, marker = _mixed_list(blocks, 70)
+        heads.append(head)
+        markers.append(marker)
+    walk = _walk({f"head{i}": head for i, head in enumerate(heads)}, markers)
+    try:
+        ids = [id(m) for m in markers]
+        alone = {i: _named(walk, [i])[i] for i in ids}
+        assert [alone[i] for i in ids] == [f"head{i}(.next ×{blocks * 70:,}).value" for i, blocks in enumerate((4, 7, 9))]
+        for order in (ids[::-1], random.Random(13).sample(ids, len(ids))):
+            assert _named(walk, order) == alone
+        namer = Namer(walk, None)
+        namer.prepare(ids)
+        for head, marker in zip(heads, markers):
+            assert resolve(head, namer.steps(id(marker))[1]) is marker
+        namer.clear()
+    finally:
+        walk.release()
