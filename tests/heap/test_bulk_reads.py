@@ -299,6 +299,6 @@ def test_a_value_under_two_keys_is_named_by_the_first_in_a_small_dict_and_a_big_
         namer = Namer(walk, None)
         assert namer.steps(id(shared)) == (walk.roots[id(small)], (("key", "first"),))
         assert namer.steps(id(other)) == (walk.roots[id(big)], (("key", "first"),))
-        assert namer._reverse_map(small, small, id(other)) == {}
+        assert namer.links.reverse_map(small, small, id(other)) == {}
     finally:
         walk.release()
