@@ -9,6 +9,7 @@ attribute (``head(.next ×199,600).value``), memoised so that many paths along o
 from __future__ import annotations
 
 import sys
+from itertools import chain, compress, count, islice
 from typing import Any
 from collections.abc import Iterable
 
@@ -142,11 +143,19 @@ class Namer:
 
     def _depth_of(self, obj_id: int) -> tuple[int, int, Root] | None:
         """(links from the root, id of the ancestor _ENDS links down, the root), memoised on the way up."""
-        memo, parent = self._depth, self.parent_of
+        memo, parent, chain_above = self._depth, self.parent_of, self.walk.chain_above
         climbed: list[int] = []
         owners: list[Any] = []  # each climbed node's parent: the run check reads them (_run_length)
+        starts: list[int] = []  # where in ``climbed`` each segment taken whole starts: memoised too
         node = obj_id
         while node not in memo:
+            above = chain_above(node)
+            if above is not None and len(above[0]) > 1:  # a linked list's segment in one step
+                starts.append(len(climbed))
+                climbed.extend(above[0])
+                owners.extend(above[1])
+                node = above[2]
+                continue
             up = parent.get(node)
             if up is None:
                 return None
@@ -163,7 +172,7 @@ class Namer:
         depth = top + len(climbed)
         if top < _ENDS <= depth:
             anchor = climbed[depth - _ENDS]
-        for at in range(depth % _MEMO_EVERY, len(climbed), _MEMO_EVERY):
+        for at in chain(range(depth % _MEMO_EVERY, len(climbed), _MEMO_EVERY), starts):
             memo[climbed[at]] = (depth - at, anchor if depth - at >= _ENDS else -1, root)
         return depth, anchor, root
 
@@ -189,9 +198,15 @@ class Namer:
         at = below.index(obj_id) if obj_id in below[:_ENDS * 2] else -1
         if at < 0 or not owners:
             return self._attribute_run(obj_id, name)
-        named = links_named(owners, below, name, at)
-        above = self._attribute_run(id(owners[-1]), name) if named == len(below) - at else 0
-        return self._memo_run(self._runs, name, below, above, at, at + named)
+        runs = self._runs
+        # Read up to the first node whose run is known (a climb may go on past it, a segment at a time).
+        end = next(compress(count(at), map(runs.__contains__, islice(below, at, None))), len(below))
+        known = runs[below[end]] if end < len(below) else None
+        if known is not None and known[0] != name:
+            end, known = len(below), None
+        named = links_named(owners, below, name, at, end)
+        above = 0 if named < end - at else known[1] if known is not None else self._attribute_run(id(owners[-1]), name)
+        return self._memo_run(runs, name, below, above, at, at + named)
 
     def _mixed_middle(self, bottom: int, top: int | None, name: str, links: int) -> int:
         """How many ``.name`` the ``links`` links above ``bottom`` up to ``top`` are, or -1 where they are

@@ -208,10 +208,10 @@ def attribute_column(cls: type, name: str, objs: list[Any]) -> list[Any] | None:
 _READ_BLOCK = 4096
 
 
-def links_named(owners: list[Any], children: list[int], name: str, at: int = 0) -> int:
-    """How many ``owners`` from ``at`` on hold the object of the same place in ``children`` (ids) as
-    ``.name``, read without running code: a class's run of owners in C-level passes of a block each."""
-    start, end_all = at, len(owners)
+def links_named(owners: list[Any], children: list[int], name: str, at: int = 0, end: int | None = None) -> int:
+    """How many ``owners`` from ``at`` on (up to ``end``) hold the object of the same place in ``children``
+    (ids) as ``.name``, read without running code: a class's run of owners in C-level passes of a block each."""
+    start, end_all = at, len(owners) if end is None else end
     while at < end_all:
         cls = type(owners[at])
         end = next(compress(count(at), map(operator.is_not, map(type, islice(owners, at, at + _READ_BLOCK)),

@@ -20,13 +20,9 @@ a frame through its locals. Untracked numpy object arrays are expanded by their 
 through a dict's *keys* are taken only after everything reachable through values, attributes and
 indexes (an optimizer's ``state`` is keyed by the parameters a model names).
 
-Names are made after the walk, for the objects asked about only: each parent-to-child link is
-found with C-level reads (dict items, sequence indexes, member descriptors, a frame's locals) and
-kept as *steps* (plain strings and ints, no references), which ``resolve`` re-reads later to
-check a remembered path still reaches the same object.
-
-Naming is ``names`` (``Namer`` writes the steps) and ``path_text`` (``render`` shows them),
-re-reading a remembered path is ``resolve``, and the C-level reads all three use are ``reads``.
+Names are made after the walk, for the objects asked about only: ``names`` climbs from each to its
+root (a chain a segment at a time, ``chain_above``), ``links`` reads each link, ``path_text``
+shows the steps, ``resolve`` re-reads a remembered path; the C-level reads they share: ``reads``.
 """
 from __future__ import annotations
 
@@ -49,6 +45,8 @@ from .reads import array_items, function_dict, mro_has
 SLICE = 8192
 # Levels this narrow are walked object by object (cheaper than the bulk passes' fixed cost).
 NARROW = 4
+# A chain is followed through objects of at most this many referents (more: the bulk passes read it).
+_FOLLOW_WIDEST = 64
 # How a segment's parents sit: a level's (none among its ids), a followed chain's (each but the first
 # is one of its ids).
 LEVELS, CHAIN = 0, 1
@@ -98,6 +96,8 @@ class Walk:
         # (ids, their parents: a list or a Parents, how parents sit: LEVELS or CHAIN): a
         # parent is always reached before its children, so one backwards pass finds every ancestor.
         self._segments: list[tuple[list[int], list[Any] | Parents, int]] = []
+        # id -> (chain segment, place): each one's last object, each wanted tensor met on one (chain_above)
+        self._chain_at: dict[int, tuple[int, int]] = {}
         self.wanted = wanted if wanted is not None else {}
         self._wanted_ids = set(self.wanted)
         self.storages_left = len(set(self.wanted.values()))
@@ -219,7 +219,7 @@ class Walk:
                     if record:
                         visited.add(id(cls))
                 kids = get_referents(obj)
-                if len(kids) > 64:
+                if len(kids) > _FOLLOW_WIDEST:
                     bulk = True
                     break
                 if record and kids and kids[-1] is cls:  # a record's class ends its traversal: never entered
@@ -241,6 +241,7 @@ class Walk:
                         else:
                             following = _Several((following, kid))
                         if kid_id in wanted_ids:
+                            self._chain_at[kid_id] = (len(self._segments), len(ids) - 1)
                             self._note_wanted((kid_id,))
                             met_wanted = True
                         if collect is not None and id(type(kid)) in collect:
@@ -254,6 +255,7 @@ class Walk:
                     level = [obj]
                     break
             if ids:
+                self._chain_at[ids[-1]] = (len(self._segments), len(ids) - 1)
                 self._segments.append((ids, parents, CHAIN))
                 self.nodes += len(ids)
                 if self._out_of_budget():
@@ -312,6 +314,24 @@ class Walk:
                         wanted.add(up)
         return result
 
+    def chain_above(self, obj_id: int) -> tuple[list[int], list[Any], int] | None:
+        """From an object indexed on a chain (``_chain_at``; else None), a climb a segment at a time: the ids
+        climbed (it first), their parents, the id above. In a chain segment an object's parent is the one
+        before it, but for the second and later of those its last node holds (the chain stopped there)."""
+        place = self._chain_at.get(obj_id)
+        if place is None:
+            return None
+        segment, at = place
+        seg_ids, seg_parents, _ = self._segments[segment]
+        assert type(seg_parents) is list  # a chain segment's parents are listed
+        if not at or id(seg_parents[at]) == seg_ids[at - 1]:
+            return seg_ids[at::-1], seg_parents[at::-1], id(seg_parents[0])
+        holder = seg_parents[at]
+        if holder is seg_parents[0]:  # held by the node before the segment: one link
+            return [obj_id], [holder], id(holder)
+        node = seg_ids.index(id(holder), max(0, at - _FOLLOW_WIDEST - 1), at)  # its last node: on from it
+        return [obj_id] + seg_ids[node::-1], [holder] + seg_parents[node::-1], id(seg_parents[0])
+
     @property
     def done(self) -> bool:
         return bool(self.wanted) and self.storages_left == 0
@@ -322,6 +342,7 @@ class Walk:
         self.roots.clear()
         self._pinned.clear()
         self._segments.clear()
+        self._chain_at.clear()
         self.found.clear()
         self.indexes.clear()
         self.met.clear()

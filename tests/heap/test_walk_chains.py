@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import sys
 
 from oom_magic.heap.names import Namer
 from oom_magic.heap.path_text import render
@@ -277,3 +278,55 @@ def test_a_run_whose_links_are_one_or_two_apiece_counts_attributes_whatever_the_
         namer.clear()
     finally:
         walk.release()
+
+
+class NextFirst:
+    """A node that holds the rest of its list before its value: a marker it holds comes second."""
+
+    def __init__(self, value: object, following: object) -> None:
+        self.next = following
+        self.value = value
+
+
+def _next_first(length: int, every: int) -> tuple[NextFirst, list[list[int]]]:
+    markers: list[list[int]] = []
+    head: object = None
+    for i in range(length - 1, -1, -1):
+        value: object = [i] if i % every == every - 1 else i
+        if type(value) is list:
+            markers.append(value)
+        head = NextFirst(value, head)
+    assert isinstance(head, NextFirst)
+    markers.reverse()
+    return head, markers
+
+
+def test_a_climb_takes_a_chain_a_segment_at_a_time_as_a_climb_link_by_link_would():
+    """Each object the walk indexed on a chain (a segment's last, a wanted marker met on one) climbs a
+    segment in one step: the same ids and parents as a climb through every parent, and the same
+    depths and names, whichever of a node's new objects (its value or the rest) comes first."""
+    for head, markers in (_linked_list(3000, 250), _next_first(3000, 250)):
+        walk = _walk({"head": head}, markers)
+        try:
+            ids = [id(m) for m in markers]
+            parents = walk.parents_of(ids)
+            indexed = list(walk._chain_at)
+            taken = 0
+            for obj_id in indexed:
+                found = walk.chain_above(obj_id)
+                assert found is not None
+                climbed, owners, above = found
+                node = obj_id
+                for i, o in zip(climbed, owners):  # link by link through the parents read back
+                    assert i == node and parents[node] is o
+                    node = id(o)
+                assert node == above
+                taken += len(climbed) > 1
+            # 3.10 keeps a node's attributes in a dict of its own: no chain of plain objects there.
+            assert taken >= len(markers) or sys.version_info < (3, 11)
+            alone = {i: _named(walk, [i])[i] for i in ids}
+            assert alone[ids[0]] == "head(.next ×249).value"
+            assert alone[ids[-1]] == "head(.next ×2,999).value"
+            assert _named(walk, ids[::-1]) == alone
+        finally:
+            walk.release()
