@@ -214,20 +214,21 @@ def links_named(owners: list[Any], children: list[int], name: str, at: int = 0, 
     start, end_all = at, len(owners) if end is None else end
     while at < end_all:
         cls = type(owners[at])
-        end = next(compress(count(at), map(operator.is_not, map(type, islice(owners, at, at + _READ_BLOCK)),
-                                           repeat(cls))), min(at + _READ_BLOCK, end_all))
+        block_end = min(at + _READ_BLOCK, end_all)  # never past ``end``: what lies beyond is known already
+        stop = next(compress(count(at), map(operator.is_not, map(type, islice(owners, at, block_end)), repeat(cls))),
+                    block_end)
         if attribute_source(cls, name)[0] not in ("member", "own"):  # as attribute_reader: read only where no code runs
             return at - start
         try:
-            values = attribute_column(cls, name, owners[at:end])
+            values = attribute_column(cls, name, owners[at:stop])
         except AttributeError:  # one owner lacks it: the run ends at that owner
-            values = _read_until_missing(cls, name, owners[at:end])
+            values = _read_until_missing(cls, name, owners[at:stop])
         if values is None:
             return at - start
-        bad = next(compress(count(at), map(operator.ne, map(id, values), islice(children, at, end))), None)
-        if bad is not None or len(values) < end - at:
+        bad = next(compress(count(at), map(operator.ne, map(id, values), islice(children, at, stop))), None)
+        if bad is not None or len(values) < stop - at:
             return (bad if bad is not None else at + len(values)) - start
-        at = end
+        at = stop
     return end_all - start
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import gc
 import random
 import sys
+from itertools import pairwise
 
 from oom_magic.heap.names import Namer
 from oom_magic.heap.path_text import render
+from oom_magic.heap.reads import links_named
 from oom_magic.heap.resolve import resolve
 from oom_magic.heap.walk import Root, Walk
 from oom_magic.records.snapshot import USER
@@ -330,3 +332,17 @@ def test_a_climb_takes_a_chain_a_segment_at_a_time_as_a_climb_link_by_link_would
             assert _named(walk, ids[::-1]) == alone
         finally:
             walk.release()
+
+
+def test_reading_a_run_up_to_a_known_one_never_counts_past_it():
+    """``links_named(..., end)`` stops at ``end`` even where the owners' class changes after it and a
+    link beyond it is no ``.name``: the run above ``end`` is known already, and counted once."""
+    nodes: list[object] = [Link(0, None) for _ in range(5)] + [SlotLink(0, None) for _ in range(5)]
+    for node, following in pairwise(nodes):
+        node.next = following  # type: ignore[attr-defined]
+    owners, children = nodes[:-1], [id(n) for n in nodes[1:]]
+    assert links_named(owners, children, "next") == 9
+    assert links_named(owners, children, "next", 2, 7) == 5
+    children[4] = id(children)  # owners[4].next is not the next child: a break after end
+    assert links_named(owners, children, "next", 0, 3) == 3
+    assert links_named(owners, children, "next") == 4
