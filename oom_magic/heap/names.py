@@ -108,12 +108,11 @@ class Namer:
                 if middle >= 0 and dangling:
                     head.pop()
             if middle >= 0:  # one run with the ends' repeats
-                single, pair = [("attr", name)], [("",), ("key", name)]
-                while head[-1:] == single or head[-2:] == pair:
-                    del head[-len(single if head[-1:] == single else pair):]
+                while cut := _name_steps(head, name, at_end=True):
+                    del head[-cut:]
                     middle += 1
-                while tail[:1] == single or tail[:2] == pair:
-                    del tail[:len(single if tail[:1] == single else pair)]
+                while cut := _name_steps(tail, name, at_end=False):
+                    del tail[:cut]
                     middle += 1
                 return root, tuple(head + [("run", name, middle)] + tail)
         return root, tuple(head + [("elide", hidden)] + tail)
@@ -205,7 +204,12 @@ class Namer:
         if known is not None and known[0] != name:
             end, known = len(below), None
         named = links_named(owners, below, name, at, end)
-        above = 0 if named < end - at else known[1] if known is not None else self._attribute_run(id(owners[-1]), name)
+        if named < end - at:  # a link that is not .name ends the run below the known one
+            above = 0
+        elif known is not None:
+            above = known[1]
+        else:
+            above = self._attribute_run(id(owners[-1]), name)
         return self._memo_run(runs, name, below, above, at, at + named)
 
     def _mixed_middle(self, bottom: int, top: int | None, name: str, links: int) -> int:
@@ -328,6 +332,14 @@ def _has_own_dict(owner: Any, attributes: dict) -> bool:
         return object.__getattribute__(owner, "__dict__") is attributes
     except Exception:
         return False
+
+
+def _name_steps(steps: list[Step], name: str, at_end: bool) -> int:
+    """How many steps one ``.name`` takes at the end (``at_end``) or start of ``steps``: 1 (an attribute),
+    2 (an instance's ``__dict__``, then its key), 0 (it is not there)."""
+    if (steps[-1:] if at_end else steps[:1]) == [("attr", name)]:
+        return 1
+    return 2 if (steps[-2:] if at_end else steps[:2]) == [("",), ("key", name)] else 0
 
 
 def _visible(step: Step) -> bool:
