@@ -31,11 +31,21 @@ def _once_counts(through_lists: bool) -> tuple[int, int]:
     return in_flat, next(map(sys.getrefcount, kept))
 
 
+def _once_followed() -> int:
+    """The reference count of an object one owner alone holds, read as a followed chain reads it: in
+    its owner's referents, looped over (``Walk._follow``)."""
+    owner = [object()]
+    for kid in gc.get_referents(owner):
+        return sys.getrefcount(kid)
+    raise AssertionError("a list's referents hold its item")
+
+
 # Such an object is reached through that owner alone, so the walk needs no visited entry for it
 # (most of a heap); free-threaded builds count references per thread: every object is looked up there.
 _GIL = getattr(sys, "_is_gil_enabled", lambda: True)()
 ONCE_ITERATED = _once_counts(False) if _GIL else (-1, -1)
 ONCE_LISTED = _once_counts(True) if _GIL else (-1, -1)
+ONCE_FOLLOWED = _once_followed() if _GIL else -1
 
 
 class Parents:

@@ -36,7 +36,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from ..records.snapshot import HolderKind
-from .children import ONCE_ITERATED, ONCE_LISTED, Parents
+from .children import ONCE_FOLLOWED, ONCE_ITERATED, ONCE_LISTED, Parents
 from .kinds import (DICT, DICT_ID, DICT_OFFSET, FRAME, FUNCTION, GENERIC, LATER, NDARRAY, RECORD, ROW, SEQ, TIE_ORDER,
                     classify, later_types)
 from .reads import array_items, function_dict, mro_has
@@ -201,7 +201,7 @@ class Walk:
         none, several objects, the last one reached, or what the bulk passes read from one that is
         not plain (or big)."""
         visited, cats, is_tracked, ndarray = self.visited, self._cats, gc.is_tracked, self.ndarray
-        wanted_ids, collect, get_referents = self._wanted_ids, self.collect, gc.get_referents
+        wanted_ids, collect, get_referents, refs = self._wanted_ids, self.collect, gc.get_referents, sys.getrefcount
         last_class, record = None, False  # a list's nodes share one class: looked up once
         level: list[Any] | None = None
         bulk = False
@@ -229,9 +229,10 @@ class Walk:
                 for kid in kids:
                     if is_tracked(kid) or type(kid) is ndarray:  # atoms (a node's int) first: no id made
                         kid_id = id(kid)
-                        if kid_id in visited:
-                            continue
-                        visited.add(kid_id)
+                        if refs(kid) != ONCE_FOLLOWED:  # one owner alone: reached no other way
+                            if kid_id in visited:
+                                continue
+                            visited.add(kid_id)
                         ids.append(kid_id)
                         parents.append(obj)
                         if following is None:
@@ -338,22 +339,10 @@ class Walk:
 
     def release(self) -> None:
         """Drop every reference the walk holds (parents, queues): nothing is pinned after a scan."""
-        self.visited.clear()
-        self.roots.clear()
-        self._pinned.clear()
-        self._segments.clear()
-        self._chain_at.clear()
-        self.found.clear()
-        self.indexes.clear()
-        self.met.clear()
-        self._level.clear()
-        self._keys.clear()
-        self._key_parents.clear()
-        self._frames.clear()
-        self._later.clear()
-        self._wrapper_dicts.clear()
-        self._big.clear()
-        self._types.clear()
+        for held in (self.visited, self.roots, self._pinned, self._segments, self._chain_at, self.found, self.indexes,
+                     self.met, self._level, self._keys, self._key_parents, self._frames, self._later,
+                     self._wrapper_dicts, self._big, self._types):
+            held.clear()
 
     def _out_of_budget(self) -> bool:
         if self.nodes >= self.budget_nodes or time.perf_counter() > self.deadline:

@@ -346,3 +346,31 @@ def test_reading_a_run_up_to_a_known_one_never_counts_past_it():
     children[4] = id(children)  # owners[4].next is not the next child: a break after end
     assert links_named(owners, children, "next", 0, 3) == 3
     assert links_named(owners, children, "next") == 4
+
+
+def test_a_chain_held_elsewhere_too_or_closed_into_a_ring_walks_each_node_once():
+    """A node its owner alone holds is reached no other way, so a followed chain keeps no visited entry for
+    it; a node held elsewhere too (a list of shortcuts into the chain) and the head a ring closes back to
+    are looked up: each object is walked once, the ring ends, and each marker gets its shortest path."""
+    head, markers = _linked_list(3000, 100)
+    nodes = [head]
+    while nodes[-1].next is not None:
+        nodes.append(nodes[-1].next)
+    nodes[-1].next = head  # the tail leads back to the head
+    starts = (500, 1500, 2500)
+    shortcuts = [nodes[s] for s in starts]
+    del nodes
+    walk = _walk({"ring": head, "shortcuts": shortcuts}, markers)
+    try:
+        walked = [i for ids, _, _ in walk._segments for i in ids]
+        assert len(walked) == len(set(walked))  # no object reached twice, the ring's head included
+        assert id(head) not in walked and all(id(node) in walked for node in shortcuts)
+        names = _named(walk, [id(m) for m in markers])
+        expected = {}
+        for at, marker in zip(range(99, 3000, 100), markers):
+            j = sum(s <= at for s in starts) - 1
+            expected[id(marker)] = (f"ring(.next ×{at:,}).value" if j < 0
+                                    else f"shortcuts[{j}](.next ×{at - starts[j]:,}).value")
+        assert names == expected
+    finally:
+        walk.release()
