@@ -80,7 +80,8 @@ def _no_hidden_fields(cls: type) -> bool:
 
 
 def later_types() -> tuple[type, ...]:
-    """Holders whose paths a user recognises less than a model's: an optimizer holds the parameters too."""
+    """Holders whose paths a user recognises less than a model's: an optimizer holds the parameters too,
+    and a bound method its object (a PEFT model keeps its base model's `prepare_inputs_for_generation`)."""
     optim = sys.modules.get("torch.optim")
     optimizer = getattr(optim, "Optimizer", None) if optim is not None else None
-    return (optimizer,) if isinstance(optimizer, type) else ()
+    return (types.MethodType, optimizer) if isinstance(optimizer, type) else (types.MethodType,)

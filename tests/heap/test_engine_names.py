@@ -345,3 +345,32 @@ def test_a_dict_subclasss_own_attributes_are_named_as_attributes(ip):
         assert user["c.t"] == 4000 and user["c['a']"] == 40, user
         assert user["od.meta"] == 120 and user["od['w']"] == 80 and user["plain['w']"] == 200
     assert len(gc.get_referents(ip.user_ns["plain"])) == ip.user_ns["plain_refs"]
+
+
+def test_a_peft_models_weights_are_named_through_its_base_model_not_a_bound_method(ip):
+    """A PEFT model keeps its base model's bound `prepare_inputs_for_generation`, one link shorter than
+    `base_model.model`: a bound method's object is entered after every other path, so the names are the
+    ones a user types; an object only a bound method holds is still named through it."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    ip.run_cell("import torch, transformers, peft\n"
+                "config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+                "                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64)\n"
+                "model = peft.get_peft_model(transformers.LlamaForCausalLM(config),\n"
+                "                            peft.LoraConfig(r=4, task_type='CAUSAL_LM'))\n"
+                "class Box:\n"
+                "    def __init__(self):\n"
+                "        self.t = torch.ones(7)\n"
+                "    def get(self):\n"
+                "        return self.t\n"
+                "step = Box().get", store_history=True)
+    assert ip.run_cell("assert model.base_model_prepare_inputs_for_generation.__self__ is "
+                       "model.base_model.model").success  # the shorter path this test is about
+    forget_paths()
+    for _ in range(2):  # walked, then re-read from the remembered paths
+        snap = ip.run_line_magic("gpumem", "-o --device cpu --all")
+        user = {r.holder_path for r in snap.storages if r.holder_kind == "user"}
+        assert "model.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight" in user
+        assert "model.base_model.model.model.layers[0].self_attn.v_proj.lora_B.default.weight" in user
+        assert "step.__self__.t" in user
+        assert [p for p in user if "__self__" in p] == ["step.__self__.t"]
