@@ -495,8 +495,10 @@ def _finetuner(torch: Any, tensors: int, namespace: dict) -> tuple[str, Any]:
     best = {k: v.clone() for k, v in model.state_dict().items() if "lora" in k}
     history = [float(i) / 3 for i in range(20_000)]
     namespace.update(model=model, opt=opt, batch=batch, loader=loader, best=best, history=history)
-    key = next(k for k in best if "layers.1." in k and "lora_A" in k)
-    return f"best[{key!r}]", best[key]
+    # A base weight: a PEFT model also keeps its base model's bound prepare_inputs_for_generation, a
+    # shorter way in that a user never types (named `model.base_model_prepare_...__self__` before).
+    weight = model.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight
+    return "model.base_model.model.model.layers[1].self_attn.q_proj.base_layer.weight", weight
 
 
 def _data_scientist(torch: Any, tensors: int, namespace: dict) -> tuple[str, Any]:
