@@ -18,7 +18,8 @@ Never entered: modules, classes, code, builtin functions and descriptors; a func
 through its closure, defaults and ``__dict__`` only (its ``__globals__`` would lead everywhere),
 a frame through its locals. Untracked numpy object arrays are expanded by their items. Paths
 through a dict's *keys* are taken only after everything reachable through values, attributes and
-indexes (an optimizer's ``state`` is keyed by the parameters a model names).
+indexes (an optimizer's ``state`` is keyed by the parameters a model names); an optimizer and a
+bound method (a PEFT model keeps its base model's) are entered once everything else is walked.
 
 Names are made after the walk, for the objects asked about only: ``names`` climbs from each to its
 root (a chain a segment at a time, ``chain_above``), ``links`` reads each link, ``path_text``
@@ -116,7 +117,7 @@ class Walk:
         self._keys: list[Any] = []  # dict keys met, walked after values (objects and their dicts)
         self._key_parents: list[Any] = []
         self._frames: list[Any] = []  # locals dicts read from frames: kept alive while ids are in use
-        self._later: list[Any] = []  # reached optimizers, entered once everything else is walked
+        self._later: list[Any] = []  # reached optimizers and bound methods, entered once all else is walked
         self._wrapper_dicts: set[int] = set()  # ids of functools.wraps wrappers' __dict__s (entered last)
         self._big: list[Any] = []  # containers too big to read in one pass, read in slices
         self._later_types = later_types()
