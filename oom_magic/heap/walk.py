@@ -248,6 +248,7 @@ class Walk:
                             met_wanted = True
                         if collect is not None and id(type(kid)) in collect:
                             self.met.append(kid)
+                            visited.add(kid_id)  # looked up when naming, even where its owner alone holds it
                 if following is None or type(following) is _Several:
                     level = list(following) if following is not None else []
                     break

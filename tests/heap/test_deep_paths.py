@@ -49,3 +49,16 @@ def test_a_deep_chain_of_mixed_links_says_how_many_it_leaves_out(ip):
     assert path.startswith("root.right.left.right.left") and path.endswith(".right.left.t")
     shown = path.count(".left") + path.count(".right")
     assert f" …{300 - shown:,} more… " in path
+
+
+def test_the_quick_view_names_a_linked_lists_tensors_by_their_depth_too(ip):
+    """The after-cell hook's quick view (no heap pass) collects tensors as its walk meets them; one that
+    a node alone holds is met on a followed chain, and is named as %gpumem names it."""
+    import oom_magic
+    from oom_magic.heap.roots import collect_roots
+
+    assert ip.run_cell(LIST, store_history=True).success
+    forget_paths()
+    snap = oom_magic.snapshot("cpu", roots=collect_roots(namespace=ip.user_ns), heap_scan=False, budget_seconds=60)
+    assert not snap.heap_scan and snap.attribution_complete
+    assert _user_paths(snap) == {f"head(.next ×{n:,}).value": 4 * (1 + n // 1000) for n in range(1000, 6000, 1000)}
