@@ -88,7 +88,6 @@ class Walk:
                  budget_nodes: int = 10_000_000) -> None:
         numpy = sys.modules.get("numpy")
         self.ndarray: Any = getattr(numpy, "ndarray", None)  # numpy.ndarray, or None without numpy
-        self._nd_id = id(self.ndarray) if self.ndarray is not None else -1
         # Held while walking: a skipped object or a root is never taken for one held by one owner alone.
         self._pinned: list[Any] = list(skip)
         self._skip = frozenset(map(id, self._pinned))
