@@ -555,10 +555,11 @@ def _breakdown(h: dict[str, Any], explain: bool = True) -> list[str]:
     pass_us = (b.get("heap_pass", 0) - floor) * 1e3 / h["tensors"] if h["tensors"] else 0
     return [
         f"- device reading (psutil): {_fmt_ms(b.get('device_read'))} ({b.get('device_read', 0) / floor:.3f}×)",
-        f"- heap pass (`find_tensors`: `gc.get_objects()`, C-level `type(o)` selection, one record per storage): "
+        f"- heap pass (`find_tensors`: `gc.get_referrers(*tensor classes)`, one C pass whose traverse of each "
+        f"object finds the instances, then one record per storage): "
         f"{_fmt_ms(b.get('heap_pass'))} ({b.get('heap_pass', 0) / floor:.2f}×)"
-        + (". Selecting touches every object a second time; the heap does not fit in cache, so that costs about "
-           "as much again as the floor." if explain else
+        + (". It touches every object once and builds no list of the heap; `gc.get_objects()` and a selection "
+           "over its list touched each twice, about twice the floor." if explain else
            f"; beyond the floor that is {pass_us:.1f} µs per tensor (device, storage, shape, dtype, record)."),
         f"- holder walk and garbage test (`attribute`, {nodes:,} objects reachable from the user's variables, "
         f"{h['user_objects']:,} of them the user's own records): {_fmt_ms(b.get('holder_walk'))} "

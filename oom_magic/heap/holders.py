@@ -371,7 +371,7 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
     collect = frozenset(map(id, tensor_types)) | frozenset(map(id, storage_types(torch)))
     walk = Walk(roots.containers + (sys.modules, roots), collect=collect,
                 deadline=time.perf_counter() + budget_seconds, budget_nodes=budget_nodes)
-    live = LiveTensors([], {}, {}, 0, 0)
+    live = LiveTensors([], {}, {}, 0)
     try:
         for kind, named in _root_kinds(roots):
             walk.start(kind, named)
@@ -384,7 +384,7 @@ def _attribute_reachable(roots: Roots, torch: Any, tensor_types: frozenset[type]
         met = list({id(t): t for t in walk.met}.values())
         walk.met.clear()
         order = list(map(id, met))  # walk order: the first tensor met names its storage
-        live = group_storages(met, tensor_types, device, walk.nodes)
+        live = group_storages(met, tensor_types, device)
         known = _REMEMBERED.holders_now(live, roots)  # re-checked paths need no naming
         for tid in order:
             key = live.storage_of.get(tid)

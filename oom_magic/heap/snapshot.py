@@ -108,22 +108,22 @@ def snapshot(device: str | None = None, *, roots: Roots | None = None, nvml: Nvm
                          "deleting those tensors gives no memory back")
     if counters is not None:
         _ALLOCATOR_SEEN[where] = (counters, storages)
-    return _finish(where, reading, storages, notes, started, live.objects_scanned, attribution.complete, top,
-                   heap_scan, kernels, pages, sizes)
+    return _finish(where, reading, storages, notes, started, attribution.nodes_walked, attribution.complete, top,
+                   heap_scan, kernels, pages, sizes, heap_passed=heap_scan)
 
 
 def _finish(where: str, reading: DeviceReading, storages: tuple[StorageRecord, ...], notes: list[str],
-            started: float, scanned: int, complete: bool, top: int, heap_scan: bool,
+            started: float, walked: int, complete: bool, top: int, heap_scan: bool,
             kernels: tuple[tuple[int, KernelInfo], ...], pages: FilePages | None,
-            sizes: list[int] | None = None) -> Snapshot:
+            sizes: list[int] | None = None, heap_passed: bool = False) -> Snapshot:
     """The snapshot, its storages largest first; ``sizes``: their bytes in order, where known without a read."""
     kinds, sizes = list(map(_KIND, storages)), sizes if sizes is not None else list(map(_BYTES, storages))
     totals = {kind: sum(compress(sizes, map(kind.__eq__, kinds))) for kind in HOLDER_KINDS}
     largest_first = sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True)  # stable: ties keep their order
     storages = tuple(map(storages.__getitem__, largest_first))
     return Snapshot(where, reading, storages, tuple(totals.items()), time.perf_counter() - started,
-                    scanned, complete, tuple(notes), top, heap_scan=heap_scan,
-                    kernels=kernels, file_pages=pages)
+                    walked, complete, tuple(notes), top, heap_scan=heap_scan,
+                    kernels=kernels, file_pages=pages, heap_passed=heap_passed)
 
 
 def _with_file_pages(storages: tuple[StorageRecord, ...], addresses: list[int],

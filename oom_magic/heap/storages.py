@@ -33,7 +33,6 @@ class LiveTensors:
     tensors: list[Any]
     storage_of: dict[int, int]  # id(tensor) -> storage key
     sizes: dict[int, int]  # storage key -> its bytes: which storages there are, for the attribution
-    objects_scanned: int
     byteless: int  # meta/fake tensors seen (they hold no device bytes)
     unreadable: int = 0  # tensors whose storage raised when read (wrapper subclasses, broken ones)
     # Each storage's figures, a list each in ``storage_records``' order (key first); made into
@@ -85,8 +84,7 @@ def storage_types(torch: ModuleType) -> list[type]:
     return _subclasses(base) if isinstance(base, type) else []
 
 
-def group_storages(tensors: list[Any], types: frozenset[type], device: str | None = None,
-                   objects_scanned: int = 0) -> LiveTensors:
+def group_storages(tensors: list[Any], types: frozenset[type], device: str | None = None) -> LiveTensors:
     """Group ``tensors`` (emptied on return) into one record per storage on ``device`` (all when None).
 
     ``tensors`` may also hold bare ``UntypedStorage`` objects (a storage held without a tensor).
@@ -111,7 +109,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
     bulk: list[list[Any]] = []
     if reader is None:
         tensors.clear()
-        return LiveTensors(kept, storage_of, {}, objects_scanned, 0, 0)
+        return LiveTensors(kept, storage_of, {}, 0, 0)
     with reader.no_subclass_code():
         figures = _sort_kinds(tensors, reader, byteless_types, bare, dense, sparse, bare_storages, device_names,
                               counts)
@@ -188,7 +186,7 @@ def group_storages(tensors: list[Any], types: frozenset[type], device: str | Non
     bulk.clear()
     sizes.update((key, group[1]) for key, group in groups.items())
     groups.clear()
-    return LiveTensors(kept, storage_of, sizes, objects_scanned, counts[0], counts[1], columns)
+    return LiveTensors(kept, storage_of, sizes, counts[0], counts[1], columns)
 
 
 def _sort_kinds(tensors: list[Any], reader: _Reader, byteless_types: frozenset[int], bare: frozenset[int],

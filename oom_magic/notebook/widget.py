@@ -378,7 +378,7 @@ class CellWatch:
     def _full_scan(self, device: str | None, blocks: int) -> Snapshot:
         """The whole heap scanned; its cost per allocated block is learnt for the next decision."""
         snap = snapshot(device, roots=collect_roots(self.shell))
-        if snap.heap_scan and snap.objects_scanned:
+        if snap.heap_passed:
             self.scan_cost.learn(snap.scan_seconds, blocks)
         return snap
 

@@ -122,7 +122,7 @@ class Snapshot(Shown):
     storages: tuple[StorageRecord, ...]
     bytes_by_kind: tuple[tuple[HolderKind, int], ...]
     scan_seconds: float
-    objects_scanned: int
+    objects_walked: int  # followed one by one from the roots (0: remembered paths or the counters answered)
     attribution_complete: bool
     notes: tuple[str, ...] = ()
     top_n: int = 10
@@ -133,6 +133,7 @@ class Snapshot(Shown):
     # cpu: the tensors that are views of memory-mapped files, and this process's file pages;
     # None where not read (not Linux, a GPU).
     file_pages: FilePages | None = None
+    heap_passed: bool = False  # the collector's whole heap was passed over (not the quick view or the counters)
 
     # Figures the user asks for by name.
     def kind_bytes(self, kind: HolderKind) -> int:
@@ -258,12 +259,22 @@ class Snapshot(Shown):
             "storages_total": len(storages),
             "storages": record_dict(listed[1]),
             "scan_seconds": self.scan_seconds,
-            "objects_scanned": self.objects_scanned,
+            "objects_walked": self.objects_walked,
+            "heap_passed": self.heap_passed,
             "attribution_complete": self.attribution_complete,
             "notes": list(self.notes),
             "heap_scan": self.heap_scan,
             "jupyter_kernels": {str(pid): record_dict(info) for pid, info in self.kernels},
         }
+
+    def scan_summary(self) -> str:
+        """What the scan did and how long it took, in one line: ``scanned the heap and walked 4,210 objects
+        in 95.3 ms``."""
+        took = f"in {self.scan_seconds * 1000:.1f} ms"
+        walked = f"walked {self.objects_walked:,} objects"
+        if self.heap_passed:
+            return f"scanned the heap and {walked} {took}" if self.objects_walked else f"scanned the heap {took}"
+        return f"{walked} {took}" if self.objects_walked else f"checked {took}"
 
     def to_json_text(self) -> str:
         """The snapshot as indented JSON text."""

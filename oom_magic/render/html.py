@@ -101,7 +101,7 @@ def snapshot_html(snap: Snapshot) -> str:
     notes = r.notes + snap.notes
     if notes:
         parts.append("<ul class='oom-notes'>" + "".join(f"<li>{escape(n)}</li>" for n in notes) + "</ul>")
-    parts.append(f"<small>scanned {snap.objects_scanned:,} objects in {snap.scan_seconds * 1000:.1f} ms</small></div>")
+    parts.append(f"<small>{escape(snap.scan_summary())}</small></div>")
     return "".join(parts)
 
 

@@ -78,7 +78,7 @@ def snapshot_text(snap: Snapshot) -> str:
         lines.append(f"top holders ({len(shown)} of {len(groups)})")
         lines += table(((g.path, format_bytes(g.bytes), g.dtype, "×".join(map(str, g.shape)) or "scalar",
                          holder_kind_cell(g)) for g in shown), text_last=True)
-    lines.append(f"scanned {snap.objects_scanned:,} objects in {snap.scan_seconds * 1000:.1f} ms")
+    lines.append(snap.scan_summary())
     lines += [f"note: {n}" for n in r.notes + snap.notes]
     return "\n".join(map(one_line, lines))  # outside text stays on its line
 

@@ -12,6 +12,7 @@ import pytest
 
 from oom_magic.heap import garbage as garbage_module
 from oom_magic.heap.holders import forget_paths
+from tests.heap import count_climbs
 
 CYCLES = """
 import gc, torch
@@ -46,9 +47,7 @@ def test_garbage_is_reverified_without_climbing_the_heap(ip, cycles, monkeypatch
     want = sum(n * 4 for n in range(100, 120))
     assert _garbage(first) == want
 
-    climbs = []
-    real = gc.get_referrers
-    monkeypatch.setattr(gc, "get_referrers", lambda *a: climbs.append(len(a)) or real(*a))
+    climbs = count_climbs(monkeypatch)
     again = ip.run_line_magic("gpumem", "-o --device cpu --all")
     assert _garbage(again) == want and climbs == []
 

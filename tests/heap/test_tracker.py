@@ -235,3 +235,120 @@ def test_the_storage_objects_a_scan_leaves_alive_change_nothing_the_next_scan_co
     assert again == first
     assert {first[_key(t)].bytes for t in tensors} == {(10 + i) * 4 for i in range(50)}
     assert first[alone._cdata].bytes == 120 and first[alone._cdata].tensor_count == 0
+
+
+def _every_tensor_by_isinstance() -> set[int]:
+    """Ground truth: each live tensor's and bare storage's id, by the naive whole-heap scan."""
+    return {id(o) for o in gc.get_objects() if isinstance(o, (torch.Tensor, torch.UntypedStorage))}
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self
+        self.t = torch.ones(7)
+
+
+def _the_hard_tensors() -> dict[str, object]:
+    """Tensors C++ also holds (the ones older torch's traverse skips), and ones only C++ or a cycle holds."""
+    weight = torch.nn.Parameter(torch.zeros(4))
+    weight.grad = torch.ones(4)
+    leaf = torch.randn(3, requires_grad=True)
+    out = leaf.exp()  # saved for backward: the graph holds it too
+    base = torch.zeros(10)
+    script = torch.jit.script(torch.nn.Linear(3, 3))
+    saved_only = leaf.sin()
+    keep_graph = saved_only.exp()  # its graph holds saved_only's result
+    cycle = _Node()
+
+    class Mine(torch.Tensor):
+        pass
+
+    return {"weight": weight, "grad": weight.grad, "out": out, "base": base, "view": base[2:5],
+            "script": script, "script_weight": script.weight, "bare": torch.UntypedStorage(16),
+            "storage_of": base.untyped_storage(), "sub": torch.zeros(2).as_subclass(Mine), "graph": keep_graph,
+            "leaf": leaf, "cycle": weakref.ref(cycle)}
+
+
+def _heap_pass() -> set[int]:
+    from oom_magic.heap.tracker import heap_tensors, storage_types
+
+    found = heap_tensors(torch, [*tensor_types(torch), *storage_types(torch)])
+    try:
+        return set(map(id, found))
+    finally:
+        found.clear()
+
+
+def test_the_heap_pass_by_class_referrers_finds_every_tensor_the_naive_scan_finds():
+    """The pass asks the tensor classes' referrers (every instance visits its class in its traverse):
+    it must find all the naive isinstance scan finds, the tensors C++ also holds and those only a
+    graph, a TorchScript module or a dropped cycle hold included."""
+    from oom_magic.heap.tracker import instances_visit_their_class, storage_types
+
+    hard = _the_hard_tensors()
+    gc.disable()
+    try:
+        assert instances_visit_their_class(torch, [*tensor_types(torch), *storage_types(torch)])
+        truth, found = _every_tensor_by_isinstance(), _heap_pass()
+    finally:
+        gc.enable()
+    for name in ("weight", "grad", "out", "base", "view", "script_weight", "bare", "storage_of", "sub", "graph",
+                 "leaf"):
+        assert id(hard[name]) in truth and id(hard[name]) in found, name
+    assert found == truth and len(truth) > 12
+
+
+def test_where_the_probe_says_no_the_pass_reads_the_whole_heap_and_finds_the_same(monkeypatch):
+    from oom_magic.heap import tracker
+
+    hard = _the_hard_tensors()
+    asked: list[int] = []
+    real_referrers = gc.get_referrers
+
+    def counting_referrers(*targets):
+        asked.append(len(targets))
+        return real_referrers(*targets)
+
+    monkeypatch.setattr(tracker.gc, "get_referrers", counting_referrers)
+    gc.disable()
+    try:
+        by_referrers = _heap_pass()
+        assert asked, "this torch's traverse visits the class: the pass asks the referrers"
+        monkeypatch.setitem(tracker._VISITED, id(torch), False)
+        asked.clear()
+        whole = _heap_pass()
+    finally:
+        gc.enable()
+    assert not asked and whole == by_referrers and id(hard["grad"]) in whole
+
+
+def test_the_probe_runs_no_user_mode_and_skips_while_a_dispatch_mode_is_on(monkeypatch):
+    """The probe makes two tiny CPU tensors: a user's torch-function mode never sees them (it is off
+    during the probe), and under a dispatch mode the probe is not run at all (asked again later)."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from oom_magic.heap import tracker
+
+    seen: list[str] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    class DispatchSpy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    classes = [*tensor_types(torch), *tracker.storage_types(torch)]
+    monkeypatch.delitem(tracker._VISITED, id(torch), raising=False)
+    with DispatchSpy():
+        assert tracker.instances_visit_their_class(torch, classes) is False
+    assert id(torch) not in tracker._VISITED and seen == []
+    with Spy(), torch.device("meta"):
+        seen.clear()  # entering the device context is itself a torch function call the spy sees
+        probed = tracker.instances_visit_their_class(torch, classes)
+        during = list(seen)
+    assert probed is True and during == [] and tracker._VISITED[id(torch)] is True

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from oom_magic.heap.holders import forget_paths
+from tests.heap import count_climbs
 
 MODULE = textwrap.dedent('''
     import torch
@@ -107,15 +108,11 @@ def test_a_user_module_no_variable_names_is_named_by_its_module(ip, user_modules
 def test_a_library_held_tensor_is_reverified_then_claimed_by_a_variable(ip, user_modules, monkeypatch):
     """Held by a library module alone: 'other', re-verified next scan without climbing the heap's
     referrers; once a variable takes it, it is the user's."""
-    import gc
-
     assert ip.run_cell("import torch\nimport libmod", store_history=True).success
     forget_paths()
     first = _paths(ip.run_line_magic("gpumem", "-o --device cpu --all"), "other")
     assert first.get("libmod.GLOBAL") == 160
-    climbs = []
-    real = gc.get_referrers
-    monkeypatch.setattr(gc, "get_referrers", lambda *a: climbs.append(1) or real(*a))
+    climbs = count_climbs(monkeypatch)
     again = _paths(ip.run_line_magic("gpumem", "-o --device cpu --all"), "other")
     assert again.get("libmod.GLOBAL") == 160 and climbs == []
     assert ip.run_cell("mine = libmod.GLOBAL", store_history=True).success
