@@ -57,7 +57,9 @@ class Namer:
         if obj_id not in parent:
             self.prepare((obj_id,))
         link_of = self._link_of
-        forward, root = self._short_climb(obj_id)
+        on_chain = self.walk.chain_above(obj_id)  # deeper on a chain than a path shown whole: no short climb
+        forward, root = (None, None) if on_chain is not None and len(on_chain[0]) > MAX_SHOWN_STEPS \
+            else self._short_climb(obj_id)
         if forward is not None and root is not None:
             steps: list[Step] = []
             at = 0

@@ -216,16 +216,20 @@ def links_named(owners: list[Any], children: list[int], name: str, at: int = 0, 
         cls = type(owners[at])
         block_end = min(at + _READ_BLOCK, end_all)  # never past ``end``: what lies beyond is known already
         # Slices, not islice: islice skips its ``at`` first items one by one (a 200,000-node run: quadratic).
-        stop = next(compress(count(at), map(operator.is_not, map(type, owners[at:block_end]), repeat(cls))), block_end)
+        block = owners[at:block_end]
+        stop = block_end if all(map(operator.is_, map(type, block), repeat(cls))) else \
+            next(compress(count(at), map(operator.is_not, map(type, block), repeat(cls))))
         if attribute_source(cls, name)[0] not in ("member", "own"):  # as attribute_reader: read only where no code runs
             return at - start
         try:
-            values = attribute_column(cls, name, owners[at:stop])
+            values = attribute_column(cls, name, block if stop == block_end else owners[at:stop])
         except AttributeError:  # one owner lacks it: the run ends at that owner
             values = _read_until_missing(cls, name, owners[at:stop])
+        del block
         if values is None:
             return at - start
-        bad = next(compress(count(at), map(operator.ne, map(id, values), children[at:stop])), None)
+        ids, held = list(map(id, values)), children[at:stop]
+        bad = None if ids == held else next(compress(count(at), map(operator.ne, ids, held)), None)
         if bad is not None or len(values) < stop - at:
             return (bad if bad is not None else at + len(values)) - start
         at = stop

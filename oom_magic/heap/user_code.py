@@ -10,6 +10,7 @@ through ``type.__dict__``, a module's globals through ``ModuleType.__dict__``): 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import types
 from typing import Any
@@ -27,6 +28,10 @@ _VERDICTS: dict[str, tuple[int, bool, str]] = {}
 
 def _is_dunder(name: object) -> bool:
     return type(name) is not str or (name.startswith("__") and name.endswith("__"))
+
+
+# A folder of installed packages, as ``_is_user_file`` tells it from the path's parts.
+_INSTALLED = re.compile(rf"{re.escape(os.sep)}(?:site|dist)-packages{re.escape(os.sep)}")
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -62,6 +67,9 @@ def _is_user_file(module: Any, base: str, libraries: tuple[str, ...]) -> bool:
     except Exception:
         return False
     if type(path) is not str or not path:
+        return False
+    if os.path.isabs(path) and f"{os.sep}." not in path and (  # already normal: no abspath for each of
+            not path.startswith(base) or _INSTALLED.search(path)):  # a thousand library modules
         return False
     path = os.path.abspath(path)
     if not path.startswith(base) or path.startswith(_OWN_PACKAGE):

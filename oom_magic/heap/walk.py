@@ -301,12 +301,12 @@ class Walk:
                 elif up not in result:
                     wanted.add(up)
             else:
-                hit = list(map(wanted.__contains__, seg_ids))
-                if not any(hit):
+                if wanted.isdisjoint(seg_ids):  # stops at the first hit: a full pass only where none is
                     continue
-                kids = list(compress(seg_ids, hit))
-                ups = (seg_parents.of(compress(count(), hit), self.indexes, kids) if isinstance(seg_parents, Parents)
-                       else list(compress(seg_parents, hit)))
+                at = list(compress(count(), map(wanted.__contains__, seg_ids)))
+                kids = list(map(seg_ids.__getitem__, at))
+                ups = (seg_parents.of(at, self.indexes, kids) if isinstance(seg_parents, Parents)
+                       else list(map(seg_parents.__getitem__, at)))
                 result.update(zip(reversed(kids), reversed(ups)))  # reversed: a child's first parent wins
                 wanted.difference_update(kids)
                 for up in set(map(id, ups)).difference(result):  # no parent sits in its child's segment
@@ -354,8 +354,10 @@ class Walk:
         """What one slice of a level refers to (tracked objects and object arrays), their parents, and
         whether that parent is all that holds each (the same length)."""
         cats = self._cats
-        tids = list(map(id, map(type, level)))
-        present_types = set(tids)
+        first = type(level[0])
+        # A level of one type (a list of records): its type read once more, no id per object.
+        tids = [] if all(map(operator.is_, map(type, level), repeat(first))) else list(map(id, map(type, level)))
+        present_types = set(tids) if tids else {id(first)}
         unknown = present_types.difference(cats)
         if unknown:
             for obj in level:
