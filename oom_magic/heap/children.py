@@ -11,10 +11,11 @@ doubled what the scan holds while it runs).
 from __future__ import annotations
 
 import gc
+import operator
 import sys
 from array import array
 from bisect import bisect_left, bisect_right
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain, compress, islice, repeat
 from typing import Any
 from collections.abc import Iterable
 
@@ -93,7 +94,7 @@ class Parents:
         ranks = list(positions)
         if self._picked is not None:
             ranks = set_positions(self._picked, ranks)
-        owners = []
+        owners: list[Any] = []
         at = 0
         while at < len(ranks):  # the children of one chunk at a time
             c = bisect_right(ends, lo + ranks[at])
@@ -101,10 +102,10 @@ class Parents:
             stop = bisect_left(ranks, ends[c] - lo, at)
             chunk = chunks[c]
             mine = [lo + r - start for r in ranks[at:stop]]
-            for rank, kid in zip(set_positions(chunk.kept, mine) if chunk.kept is not None else mine, kids[at:stop]):
-                owner, index = chunk.owner(rank)
-                owners.append(chunk.objs[owner])
-                if chunk.sequence:
+            places, within = chunk.owners(set_positions(chunk.kept, mine) if chunk.kept is not None else mine)
+            owners += map(chunk.objs.__getitem__, places)
+            if chunk.sequence:
+                for kid, index in zip(kids[at:stop], within):
                     indexes.setdefault(kid, index)
             at = stop
         return owners
@@ -113,7 +114,7 @@ class Parents:
 class _Chunk:
     """One group of owners read together: the owner of one of their children, and its index within it."""
 
-    __slots__ = ("_ends", "_step", "first", "kept", "lens", "objs", "sequence")
+    __slots__ = ("_starts", "_step", "first", "kept", "lens", "objs", "sequence")
 
     def __init__(self, objs: list[Any], lens: Iterable[int], kept: bytes | None, sequence: bool,
                  first: int) -> None:
@@ -125,50 +126,42 @@ class _Chunk:
             self.lens = array("q", lens)
         # Owners of one size (records of one class, dicts of one shape): the owner is a division away.
         self._step = lens[0] if len(lens) > 1 and lens[0] and self.lens.count(lens[0]) == len(lens) else 0
-        self._ends: array[int] | None = None
+        self._starts: list[int] | None = None
 
-    def owner(self, position: int) -> tuple[int, int]:
-        """(the owner's place in ``objs``, the child's index within it) of the child at ``position``."""
+    def owners(self, positions: list[int]) -> tuple[list[int], list[int]]:
+        """For the children at these positions: their owners' places in ``objs``, and each child's index
+        within its owner (C-level passes, none per child in Python)."""
         if len(self.lens) == 1:
-            return 0, position + self.first
+            return [0] * len(positions), [p + self.first for p in positions]
         if self._step:
-            return divmod(position, self._step)
-        if self._ends is None:
-            self._ends = array("q", accumulate(self.lens))
-        owner = bisect_right(self._ends, position)
-        return owner, position - (self._ends[owner - 1] if owner else 0)
+            step = self._step
+            return [p // step for p in positions], [p % step for p in positions]
+        if self._starts is None:  # where each owner's children start: made only for the chunks being named
+            self._starts = [0, *accumulate(self.lens)]
+        places = [bisect_right(self._starts, p) - 1 for p in positions]
+        return places, list(map(operator.sub, positions, map(self._starts.__getitem__, places)))
 
 
-_BLOCK = 256
-_WIDTHS = (_BLOCK * 16, _BLOCK)
+_BLOCK, _PART = 256, 64
 
 
 def set_positions(mask: bytes, ranks: list[int]) -> list[int]:
-    """Where the set bytes of ``mask`` numbered ``ranks`` (ascending, from 0) are: counted a span and a
-    block at a time in C, and listed only within the blocks they fall in (every set byte listed at
-    once where many are asked for). A few children named out of a slice of thousands cost
-    microseconds, where listing every set position cost a millisecond a slice."""
+    """Where the set bytes of ``mask`` numbered ``ranks`` (ascending, from 0) are: the set bytes of each
+    block counted in C, then within the block holding a rank those of each part, and that part alone
+    listed (every set byte listed at once where many are asked for). A few children named out of a
+    slice of thousands cost microseconds, where listing every set position cost a millisecond a slice."""
     size = len(mask)
     if len(ranks) * 64 > size:
         every = list(compress(range(size), mask))
         return list(map(every.__getitem__, ranks))
+    # before[b]: the set bytes ahead of block b
+    before = [0, *accumulate(map(mask.count, repeat(1), range(0, size, _BLOCK), range(_BLOCK, size + _BLOCK, _BLOCK)))]
     found: list[int] = []
-    block, seen = 0, 0
-    counted: dict[int, int] = {}  # width -> set bytes in that many from ``block``, once counted
-    listed: list[int] | None = None  # the set positions of the current block, once one is asked for
     for rank in ranks:
-        for width in _WIDTHS:  # whole spans first (a slice's mask is tens of thousands of bytes), then blocks
-            while block + width < size:
-                in_width = counted.get(width)
-                if in_width is None:
-                    in_width = counted[width] = mask.count(1, block, block + width)
-                if seen + in_width > rank:
-                    break
-                seen += in_width
-                block += width
-                counted.clear()
-                listed = None
-        if listed is None:
-            listed = list(compress(range(block, block + _BLOCK), mask[block:block + _BLOCK]))
-        found.append(listed[rank - seen])
+        block = bisect_right(before, rank) - 1
+        part, seen = block * _BLOCK, before[block]
+        while seen + (in_part := mask.count(1, part, part + _PART)) <= rank:
+            seen += in_part
+            part += _PART
+        found.append(next(islice(compress(range(part, part + _PART), mask[part:part + _PART]), rank - seen, None)))
     return found
