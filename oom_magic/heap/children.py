@@ -143,21 +143,27 @@ class _Chunk:
 
 
 _BLOCK, _PART = 256, 64
+_BATCH = 64  # blocks counted per C-level pass, as far as the ranks asked reach
 
 
 def set_positions(mask: bytes, ranks: list[int]) -> list[int]:
     """Where the set bytes of ``mask`` numbered ``ranks`` (ascending, from 0) are: the set bytes of each
-    block counted in C, then within the block holding a rank those of each part, and that part alone
-    listed (every set byte listed at once where many are asked for). A few children named out of a
-    slice of thousands cost microseconds, where listing every set position cost a millisecond a slice."""
+    block counted in C, a batch of blocks at a time and only as far as the ranks reach, then within the
+    block holding a rank those of each part, and that part alone listed (every set byte listed at once
+    where many are asked for). A few children named out of a slice of thousands cost microseconds,
+    where listing every set position cost a millisecond a slice."""
     size = len(mask)
     if len(ranks) * 64 > size:
         every = list(compress(range(size), mask))
         return list(map(every.__getitem__, ranks))
-    # before[b]: the set bytes ahead of block b
-    before = [0, *accumulate(map(mask.count, repeat(1), range(0, size, _BLOCK), range(_BLOCK, size + _BLOCK, _BLOCK)))]
+    before = [0]  # before[b]: the set bytes ahead of block b, for the blocks counted so far
     found: list[int] = []
     for rank in ranks:
+        while before[-1] <= rank:  # count on: the rank lies past the blocks counted
+            lo = (len(before) - 1) * _BLOCK
+            hi = min(lo + _BATCH * _BLOCK, size)
+            counts = map(mask.count, repeat(1), range(lo, hi, _BLOCK), range(lo + _BLOCK, hi + _BLOCK, _BLOCK))
+            before += islice(accumulate(counts, initial=before[-1]), 1, None)
         block = bisect_right(before, rank) - 1
         part, seen = block * _BLOCK, before[block]
         while seen + (in_part := mask.count(1, part, part + _PART)) <= rank:

@@ -182,13 +182,12 @@ class Links:
                     return [("attr", name)]
             except Exception:
                 continue
-        # The names the class's methods assign first: no referents read (a linked list's .next, 3.11+).
-        inline = self._inline_name(parent, cls, child_id)
-        if inline is not None:
-            return [("attr", inline)]
         d = instance_dict_if_present(parent)
         if d is not None and id(d) == child_id:
             return [("",)]
+        inline = self._inline_name(parent, cls, child_id)
+        if inline is not None:
+            return [("attr", inline)]
         # Last resort: the instance's dict (made now on 3.11+ if its attributes were inline; only
         # for an object on a path being shown, whose attribute no method of its class names).
         d = instance_attributes(parent)
