@@ -81,6 +81,7 @@ def heap_tensors(torch: ModuleType, classes: list[type]) -> list[Any]:
 
 
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, whose instances visit it
+_FLAGS = type.__dict__["__flags__"].__get__  # read through type's own descriptor: no metaclass code runs
 _VISITED: dict[int, bool] = {}  # id(torch) -> the probe's answer, asked once a process
 
 
@@ -92,7 +93,7 @@ def instances_visit_their_class(torch: ModuleType, classes: list[type]) -> bool:
     tensors made with ``__torch_function__`` off: no user mode runs, no device is touched. Not probed
     (False, asked again next time) while a dispatch mode is on, which would see the probe's tensors.
     """
-    if not all(cls.__flags__ & _HEAP_TYPE for cls in classes):
+    if not all(_FLAGS(cls) & _HEAP_TYPE for cls in classes):
         return False
     known = _VISITED.get(id(torch))
     if known is not None:

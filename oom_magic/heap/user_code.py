@@ -30,8 +30,11 @@ def _is_dunder(name: object) -> bool:
     return type(name) is not str or (name.startswith("__") and name.endswith("__"))
 
 
-# A folder of installed packages, as ``_is_user_file`` tells it from the path's parts.
-_INSTALLED = re.compile(rf"{re.escape(os.sep)}(?:site|dist)-packages{re.escape(os.sep)}")
+# A folder of installed packages, as ``_is_user_file`` tells it from the path's parts; and what abspath
+# would change in an absolute path (an empty, '.' or '..' part).
+_SEP = re.escape(os.sep)
+_INSTALLED = re.compile(rf"{_SEP}(?:site|dist)-packages{_SEP}")
+_NOT_NORMAL = re.compile(rf"{_SEP}{_SEP}|{_SEP}\.\.?(?:{_SEP}|$)")
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -68,8 +71,8 @@ def _is_user_file(module: Any, base: str, libraries: tuple[str, ...]) -> bool:
         return False
     if type(path) is not str or not path:
         return False
-    if os.path.isabs(path) and f"{os.sep}." not in path and (  # already normal: no abspath for each of
-            not path.startswith(base) or _INSTALLED.search(path)):  # a thousand library modules
+    if os.path.isabs(path) and not _NOT_NORMAL.search(path) and (  # already normal: no abspath for each
+            not path.startswith(base) or _INSTALLED.search(path)):  # of a thousand library modules
         return False
     path = os.path.abspath(path)
     if not path.startswith(base) or path.startswith(_OWN_PACKAGE):
