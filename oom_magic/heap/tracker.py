@@ -74,10 +74,7 @@ def heap_tensors(torch: ModuleType, classes: list[type]) -> list[Any]:
     """Every gc-tracked instance of ``classes`` (the tensor and storage classes), in the heap's order."""
     wanted = frozenset(map(id, classes))
     found = gc.get_referrers(*classes) if instances_visit_their_class(torch, classes) else gc.get_objects()
-    try:
-        return list(compress(found, map(wanted.__contains__, map(id, map(type, found)))))
-    finally:
-        del found
+    return list(compress(found, map(wanted.__contains__, map(id, map(type, found)))))  # ``found`` goes on return
 
 
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, whose instances visit it
